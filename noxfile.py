@@ -1,0 +1,343 @@
+#!/usr/bin/env -S uv run --script
+# /// script
+# dependencies = ["nox>=2025.2.9"]
+# ///
+"""Sessions for the crf workspace.
+
+`nox` alone runs the sessions tagged ``ci`` (what `.ci/run` runs); `nox -l` lists every session; `nox -t crf-core`
+or `nox -t py3.12` select slices of the test matrix. Every session installs from ``uv.lock`` (``uv export --frozen``),
+except torch: when a CPU wheel for the session's interpreter lies in a directory named by ``UV_FIND_LINKS`` or
+``PIP_FIND_LINKS``, that wheel is used instead of the locked (CUDA) build, which runs on CPU but weighs ~3 GB.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+nox.options.reuse_existing_virtualenvs = False
+nox.options.tags = ["ci"]
+
+ROOT = Path(__file__).resolve().parent
+PYTHONS = ["3.10", "3.11", "3.12"]
+CI_PYTHON = "3.11"
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+# Optional stacks too heavy for the matrix; each has its own session below.
+HEAVY_EXTRAS = {"crf-replaysim": {"dj"}, "crf-diloco": {"ray"}}
+PYTEST_DEFAULT = ["-m", "not slow and not gpu", "-p", "no:cacheprovider", "-q"]
+REPORTS = ROOT / ".nox-reports"
+
+os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")  # only interpreters already on the machine
+
+
+def _expose_pyenv_interpreters() -> None:
+    """Let pyenv's shims answer for every installed 3.10-3.12 (they answer only for versions in PYENV_VERSION)."""
+    if not shutil.which("pyenv"):
+        return
+    listed = os.environ.get("PYENV_VERSION", "")
+    try:
+        bare = subprocess.run(["pyenv", "versions", "--bare"], capture_output=True, text=True, check=True).stdout.split()
+        current = subprocess.run(["pyenv", "version-name"], capture_output=True, text=True, check=False).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return
+    wanted: list[str] = [v for v in (listed.split(":") if listed else [current]) if v]
+    for minor in PYTHONS:
+        candidates = [v for v in bare if re.fullmatch(rf"{re.escape(minor)}\.\d+", v)]
+        if candidates and not any(v.startswith(minor + ".") for v in wanted):
+            wanted.append(max(candidates, key=lambda v: int(v.rsplit(".", 1)[1])))
+    os.environ["PYENV_VERSION"] = ":".join(wanted)
+
+
+_expose_pyenv_interpreters()
+
+
+def _project(package: str) -> dict:
+    return nox.project.load_toml(ROOT / "packages" / package / "pyproject.toml")["project"]
+
+
+def _extras(package: str, *, heavy: bool = False) -> list[str]:
+    """The package's extras; the heavy ones only when asked."""
+    names = list(_project(package).get("optional-dependencies", {}))
+    return [e for e in names if heavy or e not in HEAVY_EXTRAS.get(package, set())]
+
+
+def _req_name(req: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower()
+
+
+def _closure(package: str, extras: list[str]) -> list[str]:
+    """The package plus every workspace sibling it pulls in (through its dependencies and the chosen extras)."""
+    seen: list[str] = []
+    todo = [(package, extras)]
+    while todo:
+        name, chosen = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        meta = _project(name)
+        reqs = list(meta.get("dependencies", []))
+        for extra in chosen:
+            reqs += meta.get("optional-dependencies", {}).get(extra, [])
+        todo += [(_req_name(r), []) for r in reqs if _req_name(r) in PACKAGES]
+    return seen
+
+
+def _needs_torch(packages: list[str]) -> bool:
+    return any(
+        _req_name(r) == "torch" for p in packages for r in _project(p).get("dependencies", [])
+    )
+
+
+def _local_torch_wheel(python: str) -> Path | None:
+    """A CPU torch wheel for this interpreter in a find-links directory named by the environment, if any."""
+    dirs: list[str] = []
+    for var, sep in (("UV_FIND_LINKS", ","), ("PIP_FIND_LINKS", " ")):
+        dirs += [d for d in os.environ.get(var, "").split(sep) if d]
+    tag = "cp" + python.replace(".", "")
+    machine = platform.machine()
+    found = [
+        wheel
+        for d in dirs
+        if Path(d).is_dir()
+        for wheel in Path(d).glob(f"torch-*-{tag}-{tag}-*{machine}.whl")
+    ]
+    return max(found, key=lambda w: w.name) if found else None
+
+
+def _export(session: nox.Session, *args: str) -> Path:
+    """`uv export` from the committed lock (never re-resolving) into a requirements file in the session's tmp."""
+    out = Path(session.create_tmp()) / ("req" + re.sub(r"[^A-Za-z0-9]+", "-", "-".join(args)) + ".txt")
+    session.run_install(
+        "uv", "export", "--frozen", "--no-hashes", "--no-header", "--no-annotate", "--no-emit-workspace",
+        "--quiet", "-o", str(out), *args, external=True,
+    )  # fmt: skip
+    return out
+
+
+def install(
+    session: nox.Session,
+    package: str | None,
+    extras: list[str],
+    *,
+    groups: tuple[str, ...] = ("test",),
+    editable: bool = True,
+) -> list[str]:
+    """Install the locked dependencies of `package` (None: every package) with `extras`, plus dependency groups.
+
+    Returns the workspace packages installed. Workspace packages go in editable unless `editable` is False (then the
+    caller installs wheels).
+    """
+    members = PACKAGES if package is None else _closure(package, extras)
+    python = str(session.python or CI_PYTHON)
+    wheel = _local_torch_wheel(python) if _needs_torch(members) else None
+    prune = ["--prune", "torch"] if wheel else []
+    targets = [package] if package else members
+    for target in targets:
+        chosen = extras if target == package else _extras(target)
+        extra_args = [f"--extra={e}" for e in chosen]
+        session.install("-r", str(_export(session, "--package", target, *extra_args, *prune)))
+    for group in groups:
+        session.install("-r", str(_export(session, "--only-group", group)))
+    if wheel:
+        session.install(str(wheel))
+    if editable:
+        session.install("--no-deps", *[arg for m in members for arg in ("-e", str(ROOT / "packages" / m))])
+    return members
+
+
+def run_pytest(session: nox.Session, paths: list[str], *extra: str) -> None:
+    REPORTS.mkdir(exist_ok=True)
+    report = REPORTS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", session.name) + ".xml")
+    session.run(
+        "python", "-m", "pytest", *paths, *PYTEST_DEFAULT, f"--junitxml={report}", *extra, *session.posargs
+    )
+
+
+def _tests_dirs(packages: list[str]) -> list[str]:
+    return [str(ROOT / "packages" / p / "tests") for p in packages]
+
+
+def _matrix() -> Iterator[nox.Param]:
+    for python in PYTHONS:
+        for package in PACKAGES:
+            for flavour in ("minimal", "all"):
+                tags = [package, f"py{python}", flavour]
+                if python == CI_PYTHON:
+                    tags.append("ci")
+                yield nox.param(python, package, flavour, id=f"{package}-{python}-{flavour}", tags=tags)
+
+
+@nox.session
+@nox.parametrize(("python", "package", "flavour"), list(_matrix()))
+def tests(session: nox.Session, package: str, flavour: str) -> None:
+    """One package's tests on one interpreter, with no extras ("minimal") or every light extra ("all")."""
+    extras = _extras(package) if flavour == "all" else []
+    install(session, package, extras)
+    run_pytest(session, _tests_dirs([package]))
+
+
+@nox.session
+@nox.parametrize(
+    "python", [nox.param(p, id=p, tags=[f"py{p}"] + (["ci"] if p != CI_PYTHON else [])) for p in PYTHONS]
+)
+def workspace(session: nox.Session) -> None:
+    """Every package with every light extra in one environment, all suites together (CI: 3.10 and 3.12; 3.11 is
+    covered package by package by `tests`)."""
+    install(session, None, [])
+    run_pytest(session, _tests_dirs(PACKAGES))
+
+
+@nox.session(python=CI_PYTHON, tags=["ci"])
+def dj(session: nox.Session) -> None:
+    """crf-replaysim with the real data-juicer 1.6.1 (pinned in the lock, op dependencies pre-provisioned)."""
+    install(session, "crf-replaysim", _extras("crf-replaysim", heavy=True), groups=("test", "dj-ops"))
+    # data-juicer installs missing op dependencies at run time; everything it needs is already here, so forbid it.
+    session.env["UV_OFFLINE"] = "1"
+    session.env["PIP_NO_INDEX"] = "1"
+    run_pytest(session, _tests_dirs(["crf-replaysim"]))
+
+
+@nox.session(python=CI_PYTHON, tags=["ci"])
+def ray(session: nox.Session) -> None:
+    """crf-diloco's RayExecutor on a local Ray cluster."""
+    install(session, "crf-diloco", _extras("crf-diloco", heavy=True))
+    run_pytest(session, _tests_dirs(["crf-diloco"]), "-k", "ray or Ray")
+
+
+@nox.session(python=CI_PYTHON, tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff (lint + format check) and `uv lock --check`."""
+    session.install("-r", str(_export(session, "--only-group", "lint")))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run_install("uv", "lock", "--check", external=True)
+
+
+@nox.session(python=CI_PYTHON, tags=["ci"])
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's sources, with every light extra installed."""
+    install(session, None, [], groups=("typecheck",))
+    session.run("mypy", *[str(ROOT / "packages" / p / "src") for p in PACKAGES])
+
+
+def _build(session: nox.Session, *kinds: str) -> Path:
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for package in PACKAGES:
+        session.run_install(
+            "uv", "build", "--package", package, "--no-sources", *kinds, "-o", str(dist), external=True
+        )
+    return dist
+
+
+@nox.session(python=CI_PYTHON, tags=["ci"])
+def wheels(session: nox.Session) -> None:
+    """Build each wheel with --no-sources, install it alone in a fresh venv (plus the sibling wheels it pins) and
+    run its tests against the installed wheel, not the source tree."""
+    dist = _build(session, "--wheel")
+    python = str(session.python)
+    torch_wheel = _local_torch_wheel(python)
+    test_req = _export(session, "--only-group", "test")
+    for package in PACKAGES:
+        venv = Path(session.create_tmp()) / f"venv-{package}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run_install("uv", "venv", "-q", "-p", python, str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        pip = ["uv", "pip", "install", "-q", "--python", py]
+        if torch_wheel and _needs_torch([package]):
+            session.run_install(*pip, str(torch_wheel), external=True)
+        (wheel,) = dist.glob(f"{package.replace('-', '_')}-*.whl")
+        extras = ",".join(_extras(package))
+        target = f"{wheel}[{extras}]" if extras else str(wheel)
+        # Siblings come from dist/ only (find-links); everything else from the registry, as a user would get it.
+        session.run_install(*pip, "--find-links", str(dist), target, "-r", str(test_req), external=True)
+        session.run(py, "-c", f"import {package.replace('-', '_')} as m; print(m.__name__, m.__version__, m.__file__)")
+        REPORTS.mkdir(exist_ok=True)
+        session.run(
+            py, "-m", "pytest", *_tests_dirs([package]), *PYTEST_DEFAULT,
+            f"--junitxml={REPORTS / f'wheels-{package}.xml'}", *session.posargs, external=True,
+        )  # fmt: skip
+
+
+@nox.session(python=CI_PYTHON, default=False)
+def build(session: nox.Session) -> None:
+    """Wheels and sdists for every package into dist/, metadata checked with twine."""
+    dist = _build(session)
+    session.install("twine>=6")
+    session.run("twine", "check", "--strict", *[str(p) for p in sorted(dist.iterdir())])
+    out = ROOT / "dist"
+    out.mkdir(exist_ok=True)
+    for p in dist.iterdir():
+        shutil.copy2(p, out / p.name)
+    session.log(f"artifacts in {out}")
+
+
+@nox.session(python=PYTHONS, default=False)
+@nox.parametrize("package", PACKAGES)
+def lowest(session: nox.Session, package: str) -> None:
+    """One package with every direct dependency at its declared floor (`--resolution lowest-direct`)."""
+    extras = _extras(package)
+    siblings = [m for m in _closure(package, extras) if m != package]
+    target = f"{ROOT / 'packages' / package}[{','.join(extras)}]" if extras else str(ROOT / "packages" / package)
+    editables = [arg for m in siblings for arg in ("-e", str(ROOT / "packages" / m))]
+    test_req = _export(session, "--only-group", "test")
+    session.install("--resolution", "lowest-direct", "-e", target, *editables, "-r", str(test_req))
+    run_pytest(session, _tests_dirs([package]))
+
+
+@nox.session(python=CI_PYTHON, tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """mkdocs --strict, and the checks that every test the docs cite exists."""
+    session.install("-r", str(_export(session, "--only-group", "docs")))
+    session.install("-r", str(_export(session, "--only-group", "test")))
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(Path(session.create_tmp()) / "site"))
+    run_pytest(session, [str(ROOT / "tests")])
+
+
+@nox.session(python="3.12", default=False)
+def primerl_parity(session: nox.Session) -> None:
+    """Parity of crf-primerl's defaults with PRIME-RL's own default loss, on a prime-rl checkout in $PRIME_RL_DIR."""
+    checkout = os.environ.get("PRIME_RL_DIR")
+    if not checkout or not Path(checkout, "pyproject.toml").exists():
+        session.error("set PRIME_RL_DIR to a prime-rl checkout (git clone https://github.com/PrimeIntellect-ai/prime-rl)")
+    install(session, "crf-primerl", [])
+    session.install("-e", checkout)
+    run_pytest(session, [f"{ROOT}/packages/crf-primerl/tests/test_composer_loss.py"], "-k", "parity")
+
+
+@nox.session(python=CI_PYTHON, default=False)
+def main(session: nox.Session) -> None:
+    """The README's main job: `nox -s main -- [flags]` (see examples/composer_main.py --help)."""
+    install(session, None, [], groups=("examples",))
+    session.run("python", str(ROOT / "examples" / "composer_main.py"), *session.posargs)
+
+
+@nox.session(python=CI_PYTHON, default=False)
+def bench(session: nox.Session) -> None:
+    """Every benchmark under benchmarks/, printing ratios against its peer (`nox -s bench -- loss_memory`)."""
+    install(session, None, [], groups=("test", "examples"))
+    wanted = set(session.posargs)
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        if not wanted or script.stem in wanted:
+            session.run("python", str(script))
+
+
+@nox.session(python=CI_PYTHON, default=False)
+def gpu(session: nox.Session) -> None:
+    """Tests marked `gpu` (needs a CUDA machine)."""
+    install(session, None, [])
+    session.run("python", "-m", "pytest", *_tests_dirs(PACKAGES), "-m", "gpu", *session.posargs)
+
+
+if __name__ == "__main__":
+    nox.main()

@@ -1,0 +1,282 @@
+"""`RayExecutor`: each replica is one Ray task (``max_retries=0``) that runs the command as a child process.
+
+Ray places the tasks on the cluster's nodes (``ray.init()`` starts a local one when none is running), so a
+replica's process can die with its worker or node; such deaths come back as failed `ReplicaResult` s rather
+than exceptions. Ray is imported lazily: install it with ``pip install 'crf-diloco[ray]'``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from crf_diloco.executors._process import ReplicaProcess, terminate_all
+from crf_diloco.executors.base import (
+    OutputCallback,
+    ReplicaResult,
+    new_run_id,
+    normalize_uri,
+    replica_environment,
+    validate_command,
+    validate_run_id,
+    validate_timeout,
+    validate_world_size,
+)
+
+_RAY_INSTALL_HINT = "RayExecutor needs Ray, which is not installed: pip install 'crf-diloco[ray]'"
+_CANCEL_POLL_S = 0.2
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(_RAY_INSTALL_HINT) from exc
+    return ray
+
+
+def _run_replica_task(
+    rank: int,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | None,
+    output_queue: Any,
+    terminate_grace_s: float,
+    tail_lines: int,
+) -> ReplicaResult:
+    """Body of one replica task, run inside a Ray worker: start the child, relay its lines, wait, report.
+
+    Lines go to ``output_queue`` (a `ray.util.queue.Queue`) when the driver asked for them, otherwise to this
+    worker's own stdout/stderr with a ``[rank r]`` prefix (Ray forwards those to the driver's console).
+    A cancellation (``ray.cancel``) arrives as KeyboardInterrupt and stops the child before re-raising.
+    """
+    import sys
+
+    def relay(r: int, stream: str, line: str) -> None:
+        if output_queue is not None:
+            output_queue.put((r, stream, line))
+        else:
+            print(f"[rank {r}] {line}", file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
+
+    process = ReplicaProcess(rank, argv, {**os.environ, **env}, cwd=cwd, on_output=relay, tail_lines=tail_lines)
+    try:
+        process.wait(None)
+    finally:
+        terminate_all([process], terminate_grace_s)
+    return process.finish()
+
+
+@dataclass
+class RayReplicaHandle:
+    """One replica running as a Ray task: its rank, run id, task reference and launch time."""
+
+    rank: int
+    run_id: str
+    ref: Any
+    started_at: float
+    _relay: _OutputRelay | None = field(default=None, repr=False)
+
+
+class _OutputRelay:
+    """Drains a Ray queue of ``(rank, stream, line)`` on a driver thread and calls ``on_output`` for each."""
+
+    def __init__(self, queue: Any, on_output: OutputCallback) -> None:
+        self._queue = queue
+        self._on_output = on_output
+        self._stop = threading.Event()
+        self._users = 0
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                rank, stream, line = self._queue.get(block=True, timeout=_CANCEL_POLL_S)
+            except Exception:  # queue.Empty on timeout, or the queue actor is gone
+                if self._stop.is_set():
+                    return
+                continue
+            try:
+                self._on_output(rank, stream, line)
+            except Exception:  # a broken callback must not stop the relay for other replicas
+                pass
+
+    def close(self) -> None:
+        """Stop after the queue is empty; then kill the queue actor."""
+        self._stop.set()
+        self._thread.join(10.0)
+        self._queue.shutdown(force=True)
+
+
+class RayExecutor:
+    """Runs each replica as a Ray task that starts ``command`` as a child process of its worker.
+
+    The task gets ``num_cpus`` (and ``num_gpus``) per replica and ``max_retries=0``: a replica that dies is a
+    failed replica, not a silent re-run. The environment of each child is the worker's plus ``env`` and the
+    ``CRF_DILOCO_*`` variables. Output lines reach ``on_output`` through a Ray queue; without ``on_output`` they
+    are printed by the workers as ``[rank r] line`` and forwarded by Ray to the driver's console.
+
+    Args:
+        address: Ray cluster to connect to when Ray is not initialised yet (``None``: ``RAY_ADDRESS`` or a new
+            local cluster). A cluster this executor started is shut down by `close`.
+        num_cpus, num_gpus: resources each replica task reserves.
+        cwd: working directory of the replicas (default: the driver's, unless ``runtime_env`` ships a
+            ``working_dir``, which then is the replica's).
+        runtime_env: Ray runtime environment for the replica tasks (``working_dir``, ``pip``, ...).
+        terminate_grace_s: seconds between SIGTERM and SIGKILL when stopping a replica's process.
+        tail_lines: how many trailing lines of stdout and stderr each `ReplicaResult` keeps.
+        init_kwargs: extra keyword arguments for ``ray.init`` when this executor starts Ray.
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str | None = None,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        cwd: str | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        terminate_grace_s: float = 5.0,
+        tail_lines: int = 40,
+        init_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._ray = _import_ray()
+        for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0 (resources per replica task), got {value!r}")
+        validate_timeout(terminate_grace_s, "terminate_grace_s")
+        if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 1:
+            raise ValueError(f"tail_lines must be an int >= 1, got {tail_lines!r}")
+        self.address = address
+        self.num_cpus = float(num_cpus)
+        self.num_gpus = float(num_gpus)
+        self.cwd = cwd
+        self.runtime_env = dict(runtime_env) if runtime_env else None
+        self.terminate_grace_s = float(terminate_grace_s)
+        self.tail_lines = tail_lines
+        self.init_kwargs = dict(init_kwargs or {})
+        self._owns_ray = False
+        self._remote_fn: Any = None
+
+    def _ensure_ray(self) -> None:
+        if not self._ray.is_initialized():
+            self._ray.init(address=self.address, **self.init_kwargs)
+            self._owns_ray = True
+        if self._remote_fn is None:
+            self._remote_fn = self._ray.remote(_run_replica_task)
+
+    def close(self) -> None:
+        """Shut Ray down if this executor started it."""
+        if self._owns_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+        self._owns_ray = False
+        self._remote_fn = None
+
+    def __enter__(self) -> RayExecutor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def launch_replicas(
+        self,
+        command: Sequence[str],
+        *,
+        world_size: int,
+        uri: str,
+        run_id: str | None = None,
+        env: Mapping[str, str] | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> list[RayReplicaHandle]:
+        """Submit ``world_size`` replica tasks running ``command``; return their handles, ordered by rank."""
+        argv = validate_command(command)
+        validate_world_size(world_size)
+        uri = normalize_uri(uri)
+        run_id = validate_run_id(run_id) if run_id is not None else new_run_id()
+        envs = [{"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, env)} for r in range(world_size)]
+        self._ensure_ray()
+        cwd = self.cwd
+        if cwd is None and not (self.runtime_env and "working_dir" in self.runtime_env):
+            cwd = os.getcwd()
+        relay = None
+        if on_output is not None:
+            from ray.util.queue import Queue
+
+            relay = _OutputRelay(Queue(actor_options={"num_cpus": 0}), on_output)
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "max_retries": 0}
+        if self.runtime_env:
+            options["runtime_env"] = self.runtime_env
+        handles = []
+        for rank in range(world_size):
+            ref = self._remote_fn.options(name=f"crf-diloco-{run_id}-rank{rank}", **options).remote(
+                rank,
+                argv,
+                envs[rank],
+                cwd,
+                relay._queue if relay is not None else None,
+                self.terminate_grace_s,
+                self.tail_lines,
+            )
+            handles.append(RayReplicaHandle(rank=rank, run_id=run_id, ref=ref, started_at=time.monotonic(), _relay=relay))
+        return handles
+
+    def collect(self, handles: Sequence[RayReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
+        """Wait for every task or ``timeout`` s; cancel the late ones; map Ray errors to failed results."""
+        timeout = validate_timeout(timeout)
+        refs = [h.ref for h in handles]
+        _, pending = self._ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        late = {id(ref) for ref in pending}
+        if pending:
+            self._cancel(pending)
+        results = [self._result(h, timed_out_after=timeout if id(h.ref) in late else None) for h in handles]
+        self._close_relays(handles)
+        return sorted(results, key=lambda r: r.rank)
+
+    def terminate(self, handles: Sequence[RayReplicaHandle]) -> None:
+        """Cancel every unfinished replica task (its child process gets SIGTERM, then SIGKILL)."""
+        refs = [h.ref for h in handles]
+        if refs:
+            _, pending = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+            if pending:
+                self._cancel(pending)
+        self._close_relays(handles)
+
+    def _cancel(self, refs: list[Any]) -> None:
+        """Interrupt the tasks (their ``finally`` stops the child); force-kill workers that do not end in time."""
+        for ref in refs:
+            self._ray.cancel(ref, force=False)
+        _, still = self._ray.wait(refs, num_returns=len(refs), timeout=self.terminate_grace_s + 5.0)
+        for ref in still:
+            self._ray.cancel(ref, force=True)
+
+    def _close_relays(self, handles: Sequence[RayReplicaHandle]) -> None:
+        for relay in {id(h._relay): h._relay for h in handles if h._relay is not None}.values():
+            relay.close()
+
+    def _result(self, handle: RayReplicaHandle, *, timed_out_after: float | None) -> ReplicaResult:
+        """The task's own `ReplicaResult`, or a failed one describing the Ray error that replaced it."""
+        ray = self._ray
+        try:
+            result: ReplicaResult = ray.get(handle.ref)
+            return result
+        except ray.exceptions.TaskCancelledError:
+            error = "cancelled by the launcher"
+        except ray.exceptions.RayTaskError as exc:  # the task body raised (e.g. the command could not start)
+            error = f"replica task raised {type(exc.cause).__name__}: {exc.cause}"
+        except (ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError) as exc:
+            error = f"Ray worker died ({type(exc).__name__}): {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        except ray.exceptions.RayError as exc:
+            error = f"Ray error ({type(exc).__name__}): {exc}"
+        if timed_out_after is not None:
+            error = f"timed out after {timed_out_after:g} s; {error}"
+        return ReplicaResult(
+            rank=handle.rank,
+            returncode=None,
+            duration_s=time.monotonic() - handle.started_at,
+            timed_out=timed_out_after is not None,
+            error=error,
+        )

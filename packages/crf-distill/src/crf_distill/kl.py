@@ -1,0 +1,72 @@
+"""Forward and reverse KL between a student and a (detached) teacher, per token, then aggregated.
+
+* forward KL ``KL(T ‖ S) = Σ_v p_T(v) (log p_T(v) − log p_S(v))`` — mean-seeking (GKD/SDPO ``alpha = 0``);
+* reverse KL ``KL(S ‖ T) = Σ_v p_S(v) (log p_S(v) − log p_T(v))`` — mode-seeking (on-policy distillation,
+  SDPO ``alpha = 1``).
+
+Symbols: ``S`` student, ``T`` teacher, ``V`` vocabulary. Shapes: logits ``(..., V)``, mask ``(...)``.
+The teacher is treated as a fixed target (detached). Optional student top-k support with tail bucket as
+in SDPO (see :func:`crf_distill.generalized_jsd`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from crf_distill._checks import check_mask
+from crf_distill._support import check_logit_pair, check_top_k, kl_per_token, support_logprobs
+from crf_distill.aggregate import Aggregation, aggregate
+
+__all__ = ["forward_kl", "forward_kl_per_token", "reverse_kl", "reverse_kl_per_token"]
+
+
+def forward_kl_per_token(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, top_k: int | None = None, add_tail: bool = True
+) -> torch.Tensor:
+    """Per-token ``KL(T ‖ S)``: ``(..., V) × 2 -> (...)``."""
+    check_logit_pair(student_logits, teacher_logits)
+    check_top_k(top_k, student_logits.shape[-1])
+    s, t = support_logprobs(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
+    return kl_per_token(t, s)
+
+
+def reverse_kl_per_token(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, top_k: int | None = None, add_tail: bool = True
+) -> torch.Tensor:
+    """Per-token ``KL(S ‖ T)``: ``(..., V) × 2 -> (...)``."""
+    check_logit_pair(student_logits, teacher_logits)
+    check_top_k(top_k, student_logits.shape[-1])
+    s, t = support_logprobs(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
+    return kl_per_token(s, t)
+
+
+def forward_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    top_k: int | None = None,
+    add_tail: bool = True,
+    aggregation: Aggregation = "token_mean",
+    num_items: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Aggregated forward KL ``KL(T ‖ S)`` over the tokens selected by ``mask``; returns a 0-d tensor."""
+    per_token = forward_kl_per_token(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
+    check_mask("mask", mask, per_token.shape)
+    return aggregate(per_token, mask, aggregation, num_items=num_items)
+
+
+def reverse_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    top_k: int | None = None,
+    add_tail: bool = True,
+    aggregation: Aggregation = "token_mean",
+    num_items: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Aggregated reverse KL ``KL(S ‖ T)`` over the tokens selected by ``mask``; returns a 0-d tensor."""
+    per_token = reverse_kl_per_token(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
+    check_mask("mask", mask, per_token.shape)
+    return aggregate(per_token, mask, aggregation, num_items=num_items)

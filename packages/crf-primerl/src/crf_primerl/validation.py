@@ -1,0 +1,162 @@
+"""Input and keyword validation for the per-sample PRIME-RL loss contract.
+
+PRIME-RL calls a custom loss once per packed sample with 1-D ``(seq,)`` tensors. Everything here
+runs on every call, so the structural checks are pure Python and the value checks (finite inputs,
+non-negative weights) cost one device synchronisation in total.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_REQUIRED_FIELDS = ("trainer_logprobs", "inference_logprobs", "advantages", "loss_mask")
+_TEACHER_FIELDS = ("teacher_logprobs", "ref_logprobs")
+
+_SLICE_HINT = (
+    "PRIME-RL calls loss_fn once per sample with 1-D (seq,) tensors, not on a batched (B, T) tensor. "
+    "From your own batched loop, slice each sample before the call:\n"
+    "    for b in range(B):\n"
+    "        out = loss_fn(LossInputs(trainer_logprobs=batch.trainer_logprobs[b],\n"
+    "                                 inference_logprobs=batch.inference_logprobs[b],\n"
+    "                                 advantages=batch.advantages[b], loss_mask=batch.loss_mask[b],\n"
+    "                                 teacher_logprobs=None if batch.teacher_logprobs is None\n"
+    "                                 else batch.teacher_logprobs[b]), **kwargs)"
+)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One validated sample: every tensor is 1-D with the same length and device.
+
+    ``teacher_logprobs`` holds whichever teacher field the caller's generation uses
+    (``teacher_logprobs`` before PRIME-RL's algorithm abstraction, ``ref_logprobs`` after it).
+    """
+
+    trainer_logprobs: Tensor
+    inference_logprobs: Tensor
+    advantages: Tensor
+    loss_mask: Tensor
+    teacher_logprobs: Tensor | None
+    loss_weights: Tensor | None
+
+
+def read_sample(inputs: object) -> Sample:
+    """Read PRIME-RL ``LossInputs`` (either generation, or ours) and check shapes, dtypes and values.
+
+    Raises:
+        TypeError: ``inputs`` lacks a required field, or a field is not a tensor.
+        ValueError: a tensor is not 1-D, lengths or devices differ, ``loss_mask`` is not bool,
+            a float tensor holds NaN/inf, ``loss_weights`` has a negative entry, or both
+            ``teacher_logprobs`` and ``ref_logprobs`` are given.
+    """
+    missing = [name for name in _REQUIRED_FIELDS if not hasattr(inputs, name)]
+    if missing:
+        raise TypeError(
+            f"inputs of type {type(inputs).__name__} lacks {missing}; pass PRIME-RL's LossInputs or "
+            "crf_primerl.composer_loss.LossInputs(trainer_logprobs=..., inference_logprobs=..., "
+            "advantages=..., loss_mask=...)"
+        )
+    teacher_fields = [name for name in _TEACHER_FIELDS if getattr(inputs, name, None) is not None]
+    if len(teacher_fields) > 1:
+        raise ValueError(
+            "both teacher_logprobs and ref_logprobs are set; they are the same signal under PRIME-RL's "
+            "old and new names: set only one"
+        )
+    sample = Sample(
+        trainer_logprobs=getattr(inputs, "trainer_logprobs"),  # noqa: B009
+        inference_logprobs=getattr(inputs, "inference_logprobs"),  # noqa: B009
+        advantages=getattr(inputs, "advantages"),  # noqa: B009
+        loss_mask=getattr(inputs, "loss_mask"),  # noqa: B009
+        teacher_logprobs=getattr(inputs, teacher_fields[0]) if teacher_fields else None,
+        loss_weights=getattr(inputs, "loss_weights", None),
+    )
+    named = _named_tensors(sample, teacher_fields[0] if teacher_fields else "teacher_logprobs")
+    _check_structure(named)
+    _check_values(named)
+    return sample
+
+
+def _named_tensors(sample: Sample, teacher_name: str) -> dict[str, Tensor]:
+    named: dict[str, object] = {
+        "trainer_logprobs": sample.trainer_logprobs,
+        "inference_logprobs": sample.inference_logprobs,
+        "advantages": sample.advantages,
+        "loss_mask": sample.loss_mask,
+    }
+    if sample.teacher_logprobs is not None:
+        named[teacher_name] = sample.teacher_logprobs
+    if sample.loss_weights is not None:
+        named["loss_weights"] = sample.loss_weights
+    for name, value in named.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (seq,), got {type(value).__name__}")
+    return named  # type: ignore[return-value]
+
+
+def _check_structure(named: dict[str, Tensor]) -> None:
+    for name, tensor in named.items():
+        if tensor.dim() == 2:
+            b, t = tensor.shape
+            raise ValueError(f"expected (seq,) shape, got (B, T) = ({b}, {t}) for {name}. {_SLICE_HINT}")
+        if tensor.dim() != 1:
+            hint = " (a per-sample scalar advantage must be broadcast: advantages.expand(seq))" if name == "advantages" else ""
+            raise ValueError(f"expected (seq,) shape for {name}, got shape {tuple(tensor.shape)}{hint}. {_SLICE_HINT}")
+    seq = named["trainer_logprobs"].shape[0]
+    wrong_len = {name: tensor.shape[0] for name, tensor in named.items() if tensor.shape[0] != seq}
+    if wrong_len:
+        raise ValueError(
+            f"all per-sample tensors must have the length of trainer_logprobs ({seq}); got {wrong_len}. "
+            "They must span the same packed prompt+completion tokens of one sample."
+        )
+    device = named["trainer_logprobs"].device
+    off_device = {name: str(tensor.device) for name, tensor in named.items() if tensor.device != device}
+    if off_device:
+        raise ValueError(f"all tensors must be on trainer_logprobs' device ({device}); got {off_device}")
+    if named["loss_mask"].dtype != torch.bool:
+        raise ValueError(
+            f"loss_mask must be a bool tensor (True on trainable tokens), got {named['loss_mask'].dtype}; "
+            "convert it with loss_mask.bool() or loss_mask != 0"
+        )
+    for name, tensor in named.items():
+        if name != "loss_mask" and not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}; cast it with .float()")
+
+
+def _check_values(named: dict[str, Tensor]) -> None:
+    floats = {name: tensor for name, tensor in named.items() if name != "loss_mask"}
+    flags = [~torch.isfinite(tensor.detach()).all() for tensor in floats.values()]
+    weights = named.get("loss_weights")
+    if weights is not None:
+        flags.append((weights.detach() < 0).any())
+    if not bool(torch.stack(flags).any()):  # the one synchronisation per call
+        return
+    for name, tensor in floats.items():
+        bad = int((~torch.isfinite(tensor.detach())).sum())
+        if bad:
+            raise ValueError(
+                f"{name} has {bad} NaN/inf entries out of {tensor.numel()}; every position of the packed sample "
+                "must be finite (PRIME-RL pads position 0 with log(1/V), never NaN): find where they come from "
+                "(an fp16 overflow, a -inf log-prob from a zero-probability token) and fix them upstream"
+            )
+    raise ValueError(
+        f"loss_weights must be >= 0 (a weight scales its token's loss; 0 removes it); got min {float(weights.min())}"  # type: ignore[union-attr]
+    )
+
+
+def check_bounds(**values: float) -> None:
+    """Check that every keyword is a real number ``>= 0`` (PRIME-RL's ``Field(ge=0)``); ``inf`` is allowed.
+
+    Raises:
+        TypeError: a value is not an ``int``/``float`` (``bool`` is refused).
+        ValueError: a value is negative or NaN.
+    """
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})")
+        if math.isnan(value) or value < 0:
+            hint = " To disable the DPPO mask pass 1e6 for both bounds." if name.startswith("dppo_mask") else ""
+            raise ValueError(f"{name} must be >= 0 (as PRIME-RL's loss config requires), got {value}.{hint}")

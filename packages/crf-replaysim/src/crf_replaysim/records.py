@@ -1,0 +1,265 @@
+"""DPO pair records and their data-juicer row form (schema version ``SCHEMA_VERSION``).
+
+A pair built by trace replay is a :class:`DPOPair`: the context before one assistant decision
+(``prompt_messages``), the preferred action (``chosen_messages``) and the other one
+(``rejected_messages``), all OpenAI chat lists, plus provenance (``trace_id``, ``turn`` = index of
+the decided assistant message in the trace, so ``prompt_messages == trace.messages[:turn]``).
+
+On disk (replay output, normaliser input and output, what ``crf-core`` reads) a pair is one JSON
+object per line, the *dj record*, carrying both shapes side by side:
+
+==================  ======================================================================
+key                 value
+==================  ======================================================================
+schema_version      ``SCHEMA_VERSION``
+prompt              flat string (role-tagged context) for text ops
+chosen, rejected    flat strings for data-juicer text ops (filters point here)
+prompt_messages     chat list
+chosen_messages     chat list (at least one message)
+rejected_messages   chat list (at least one message)
+trace_id, turn      provenance
+meta                free-form JSON object (teacher model, source line, ...)
+==================  ======================================================================
+
+The record is described by ``schema/dpo_pair.schema.json`` (shipped in the wheel, see
+:func:`schema_path`). Mappers may rewrite the flat strings; a :class:`NormalizedDPOPair` keeps
+them, so ``record -> NormalizedDPOPair -> record`` loses nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from crf_replaysim.messages import MessageError, flatten_action, flatten_prompt, validate_messages
+
+__all__ = [
+    "DJ_RECORD_KEYS",
+    "SCHEMA_VERSION",
+    "DPOPair",
+    "NormalizedDPOPair",
+    "RecordError",
+    "_dj_record_to_normalized_pair",
+    "_dpo_pair_to_dj_record",
+    "load_schema",
+    "schema_path",
+    "validate_dj_record",
+]
+
+SCHEMA_VERSION = "1.0"
+"""Version of the record layout. Major bumps break readers; minor bumps only add optional fields."""
+
+DJ_RECORD_KEYS: tuple[str, ...] = (
+    "schema_version",
+    "prompt",
+    "chosen",
+    "rejected",
+    "prompt_messages",
+    "chosen_messages",
+    "rejected_messages",
+    "trace_id",
+    "turn",
+    "meta",
+)
+_FLAT_KEYS = ("prompt", "chosen", "rejected")
+_INTERNAL_PREFIX = "__dj__"  # data-juicer's own columns (__dj__stats__, __dj__hash); dropped on read
+
+
+class RecordError(ValueError):
+    """A DPO pair or dj record breaks the record schema."""
+
+
+def _check_json(value: Any, where: str) -> None:
+    """Reject values that ``json.dumps`` would write but no reader gets back unchanged."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RecordError(f"{where}: {value!r} is not valid JSON. Fix: store finite numbers or strings")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise RecordError(f"{where}: key {k!r} is not a string. Fix: use string keys (JSON objects)")
+            _check_json(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]")
+    elif not isinstance(value, (str, int, float, bool)) and value is not None:
+        raise RecordError(f"{where}: {type(value).__name__} is not JSON-serialisable. Fix: use str/int/float/bool/list/dict")
+
+
+def _check_common(
+    prompt_messages: Any,
+    chosen_messages: Any,
+    rejected_messages: Any,
+    trace_id: Any,
+    turn: Any,
+    meta: Any,
+    schema_version: Any,
+) -> None:
+    if schema_version != SCHEMA_VERSION:
+        raise RecordError(
+            f"schema_version is {schema_version!r}, this crf-replaysim reads {SCHEMA_VERSION!r}. "
+            "Fix: regenerate the pairs with this version (crf-replaysim replay) or install the matching crf-replaysim"
+        )
+    try:
+        validate_messages(prompt_messages, "prompt_messages", min_items=1)
+        validate_messages(chosen_messages, "chosen_messages", min_items=1)
+        validate_messages(rejected_messages, "rejected_messages", min_items=1)
+    except MessageError as err:
+        raise RecordError(str(err)) from None
+    if not isinstance(trace_id, str) or not trace_id:
+        raise RecordError(f"trace_id is {trace_id!r}. Fix: give every pair the non-empty id of its source trace")
+    if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
+        raise RecordError(f"turn is {turn!r}. Fix: use the index (int >= 0) of the decided message in its trace")
+    if not isinstance(meta, dict):
+        raise RecordError(f"meta is {type(meta).__name__}. Fix: use a dict (JSON object)")
+    _check_json(meta, "meta")
+
+
+@dataclass(frozen=True)
+class DPOPair:
+    """One preference pair from trace replay (chat lists + provenance). Validated on construction."""
+
+    prompt_messages: list[dict[str, Any]]
+    chosen_messages: list[dict[str, Any]]
+    rejected_messages: list[dict[str, Any]]
+    trace_id: str
+    turn: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    schema_version: str = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _check_common(
+            self.prompt_messages,
+            self.chosen_messages,
+            self.rejected_messages,
+            self.trace_id,
+            self.turn,
+            self.meta,
+            self.schema_version,
+        )
+
+    def swapped(self) -> DPOPair:
+        """The same pair with chosen and rejected exchanged."""
+        return DPOPair(
+            prompt_messages=self.prompt_messages,
+            chosen_messages=self.rejected_messages,
+            rejected_messages=self.chosen_messages,
+            trace_id=self.trace_id,
+            turn=self.turn,
+            meta=self.meta,
+            schema_version=self.schema_version,
+        )
+
+
+@dataclass(frozen=True)
+class NormalizedDPOPair:
+    """A pair after normalisation: the chat lists, the (possibly rewritten) flat strings, provenance."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    prompt_messages: list[dict[str, Any]]
+    chosen_messages: list[dict[str, Any]]
+    rejected_messages: list[dict[str, Any]]
+    trace_id: str
+    turn: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    schema_version: str = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for key in _FLAT_KEYS:
+            value = getattr(self, key)
+            if not isinstance(value, str):
+                raise RecordError(
+                    f"{key} is {type(value).__name__}, text ops need a flat string. "
+                    f"Fix: keep chat lists in {key}_messages and the flattened text in {key}"
+                )
+        _check_common(
+            self.prompt_messages,
+            self.chosen_messages,
+            self.rejected_messages,
+            self.trace_id,
+            self.turn,
+            self.meta,
+            self.schema_version,
+        )
+
+    def to_dj_record(self) -> dict[str, Any]:
+        """The dj record of this pair (deep copies; keys in ``DJ_RECORD_KEYS`` order)."""
+        return {key: copy.deepcopy(getattr(self, key)) for key in DJ_RECORD_KEYS}
+
+
+def _dpo_pair_to_dj_record(pair: DPOPair) -> dict[str, Any]:
+    """Row for data-juicer: flat ``prompt``/``chosen``/``rejected`` strings next to the chat lists.
+
+    ``chosen = flatten_action(chosen_messages)`` (text, then ``name(arguments)`` per tool call),
+    ``prompt = flatten_prompt(prompt_messages)`` (``"role: text"`` blocks). Lists are deep-copied.
+    """
+    if not isinstance(pair, DPOPair):
+        raise TypeError(f"expected a DPOPair, got {type(pair).__name__}. Fix: build one with DPOPair(...)")
+    return {
+        "schema_version": pair.schema_version,
+        "prompt": flatten_prompt(pair.prompt_messages),
+        "chosen": flatten_action(pair.chosen_messages),
+        "rejected": flatten_action(pair.rejected_messages),
+        "prompt_messages": copy.deepcopy(pair.prompt_messages),
+        "chosen_messages": copy.deepcopy(pair.chosen_messages),
+        "rejected_messages": copy.deepcopy(pair.rejected_messages),
+        "trace_id": pair.trace_id,
+        "turn": pair.turn,
+        "meta": copy.deepcopy(pair.meta),
+    }
+
+
+def validate_dj_record(record: Any) -> None:
+    """Raise ``RecordError`` unless ``record`` is a dj record of this schema version.
+
+    Same rules as ``schema/dpo_pair.schema.json``, without needing ``jsonschema`` at run time.
+    Keys starting with ``__dj__`` (data-juicer's stats/hash columns) are tolerated.
+    """
+    if not isinstance(record, dict):
+        raise RecordError(f"a dj record is a dict (JSON object), got {type(record).__name__}")
+    missing = [k for k in DJ_RECORD_KEYS if k not in record]
+    if missing:
+        raise RecordError(
+            f"record lacks {missing}. Fix: build records with _dpo_pair_to_dj_record (crf-replaysim replay writes them)"
+        )
+    unknown = sorted(k for k in record if k not in DJ_RECORD_KEYS and not str(k).startswith(_INTERNAL_PREFIX))
+    if unknown:
+        raise RecordError(f"record has unknown keys {unknown}. Fix: move extra information into 'meta'")
+    for key in _FLAT_KEYS:
+        if not isinstance(record[key], str):
+            raise RecordError(
+                f"{key} is {type(record[key]).__name__}, text ops need a flat string. "
+                f"Fix: keep chat lists in {key}_messages and the flattened text in {key}"
+            )
+    _check_common(
+        record["prompt_messages"],
+        record["chosen_messages"],
+        record["rejected_messages"],
+        record["trace_id"],
+        record["turn"],
+        record["meta"],
+        record["schema_version"],
+    )
+
+
+def _dj_record_to_normalized_pair(record: dict[str, Any]) -> NormalizedDPOPair:
+    """Inverse of ``NormalizedDPOPair.to_dj_record``: validates and copies every field."""
+    validate_dj_record(record)
+    return NormalizedDPOPair(**{key: copy.deepcopy(record[key]) for key in DJ_RECORD_KEYS})
+
+
+def schema_path() -> Path:
+    """Path of the shipped JSON Schema of a dj record (``crf_replaysim/schema/dpo_pair.schema.json``)."""
+    return Path(str(resources.files("crf_replaysim").joinpath("schema", "dpo_pair.schema.json")))
+
+
+def load_schema() -> dict[str, Any]:
+    """The shipped JSON Schema as a dict."""
+    schema: dict[str, Any] = json.loads(schema_path().read_text(encoding="utf-8"))
+    return schema
