@@ -19,6 +19,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -46,7 +47,9 @@ def _expose_pyenv_interpreters() -> None:
         return
     listed = os.environ.get("PYENV_VERSION", "")
     try:
-        bare = subprocess.run(["pyenv", "versions", "--bare"], capture_output=True, text=True, check=True).stdout.split()
+        bare = subprocess.run(
+            ["pyenv", "versions", "--bare"], capture_output=True, text=True, check=True
+        ).stdout.split()
         current = subprocess.run(["pyenv", "version-name"], capture_output=True, text=True, check=False).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return
@@ -93,9 +96,7 @@ def _closure(package: str, extras: list[str]) -> list[str]:
 
 
 def _needs_torch(packages: list[str]) -> bool:
-    return any(
-        _req_name(r) == "torch" for p in packages for r in _project(p).get("dependencies", [])
-    )
+    return any(_req_name(r) == "torch" for p in packages for r in _project(p).get("dependencies", []))
 
 
 def _local_torch_wheel(python: str) -> Path | None:
@@ -105,12 +106,7 @@ def _local_torch_wheel(python: str) -> Path | None:
         dirs += [d for d in os.environ.get(var, "").split(sep) if d]
     tag = "cp" + python.replace(".", "")
     machine = platform.machine()
-    found = [
-        wheel
-        for d in dirs
-        if Path(d).is_dir()
-        for wheel in Path(d).glob(f"torch-*-{tag}-{tag}-*{machine}.whl")
-    ]
+    found = [wheel for d in dirs if Path(d).is_dir() for wheel in Path(d).glob(f"torch-*-{tag}-{tag}-*{machine}.whl")]
     return max(found, key=lambda w: w.name) if found else None
 
 
@@ -158,16 +154,14 @@ def install(
 def run_pytest(session: nox.Session, paths: list[str], *extra: str) -> None:
     REPORTS.mkdir(exist_ok=True)
     report = REPORTS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", session.name) + ".xml")
-    session.run(
-        "python", "-m", "pytest", *paths, *PYTEST_DEFAULT, f"--junitxml={report}", *extra, *session.posargs
-    )
+    session.run("python", "-m", "pytest", *paths, *PYTEST_DEFAULT, f"--junitxml={report}", *extra, *session.posargs)
 
 
 def _tests_dirs(packages: list[str]) -> list[str]:
     return [str(ROOT / "packages" / p / "tests") for p in packages]
 
 
-def _matrix() -> Iterator[nox.Param]:
+def _matrix() -> Iterator[Any]:
     for python in PYTHONS:
         for package in PACKAGES:
             for flavour in ("minimal", "all"):
@@ -187,9 +181,7 @@ def tests(session: nox.Session, package: str, flavour: str) -> None:
 
 
 @nox.session
-@nox.parametrize(
-    "python", [nox.param(p, id=p, tags=[f"py{p}"] + (["ci"] if p != CI_PYTHON else [])) for p in PYTHONS]
-)
+@nox.parametrize("python", [nox.param(p, id=p, tags=[f"py{p}"] + (["ci"] if p != CI_PYTHON else [])) for p in PYTHONS])
 def workspace(session: nox.Session) -> None:
     """Every package with every light extra in one environment, all suites together (CI: 3.10 and 3.12; 3.11 is
     covered package by package by `tests`)."""
@@ -234,9 +226,7 @@ def _build(session: nox.Session, *kinds: str) -> Path:
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for package in PACKAGES:
-        session.run_install(
-            "uv", "build", "--package", package, "--no-sources", *kinds, "-o", str(dist), external=True
-        )
+        session.run_install("uv", "build", "--package", package, "--no-sources", *kinds, "-o", str(dist), external=True)
     return dist
 
 
@@ -309,7 +299,9 @@ def primerl_parity(session: nox.Session) -> None:
     """Parity of crf-primerl's defaults with PRIME-RL's own default loss, on a prime-rl checkout in $PRIME_RL_DIR."""
     checkout = os.environ.get("PRIME_RL_DIR")
     if not checkout or not Path(checkout, "pyproject.toml").exists():
-        session.error("set PRIME_RL_DIR to a prime-rl checkout (git clone https://github.com/PrimeIntellect-ai/prime-rl)")
+        session.error(
+            "set PRIME_RL_DIR to a prime-rl checkout (git clone https://github.com/PrimeIntellect-ai/prime-rl)"
+        )
     install(session, "crf-primerl", [])
     session.install("-e", checkout)
     run_pytest(session, [f"{ROOT}/packages/crf-primerl/tests/test_composer_loss.py"], "-k", "parity")

@@ -61,9 +61,7 @@ def _functions(path: Path) -> set[str]:
     return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
-@pytest.mark.parametrize(
-    ("module", "name"), [(module, name) for module, names in SEED_TESTS.items() for name in names]
-)
+@pytest.mark.parametrize(("module", "name"), [(module, name) for module, names in SEED_TESTS.items() for name in names])
 def test_seed_named_test_exists(module: str, name: str) -> None:
     path = ROOT / module
     assert path.is_file(), f"{module} is missing"

@@ -31,7 +31,7 @@ def main(folder: str) -> int:
     width = max(len(r.stem) for r in reports)
     for report in reports:
         row = counts(report)
-        total = [a + b for a, b in zip(total, row)]
+        total = [a + b for a, b in zip(total, row, strict=True)]
         print(f"{report.stem:<{width}}  {row[0]:>5} passed  {row[1]:>3} failed  {row[2]:>4} skipped")
     print(f"{total[0]} passed, {total[1]} failed, {total[2]} skipped")
     return 0 if total[1] == 0 else 1
