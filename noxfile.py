@@ -164,7 +164,8 @@ def _tests_dirs(packages: list[str]) -> list[str]:
 def _matrix() -> Iterator[Any]:
     for python in PYTHONS:
         for package in PACKAGES:
-            for flavour in ("minimal", "all"):
+            # "all" only where the package has light extras; otherwise it would repeat "minimal".
+            for flavour in ["minimal"] + (["all"] if _extras(package) else []):
                 tags = [package, f"py{python}", flavour]
                 if python == CI_PYTHON:
                     tags.append("ci")

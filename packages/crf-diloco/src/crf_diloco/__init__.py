@@ -1,5 +1,30 @@
 """Serverless DiLoCo: torchft's DiLoCo synchronised through nothing but an object store."""
 
 from crf_diloco._version import __version__
+from crf_diloco.allreduce import ObjectStoreAllReduce, RoundInfo
+from crf_diloco.errors import (
+    AllReduceError,
+    CorruptObjectError,
+    HealError,
+    RoundAbortedError,
+    RoundDesyncError,
+    RoundTimeoutError,
+    StoreBackendMissingError,
+)
+from crf_diloco.manager import DILOCO_MANAGER_SURFACE, MockManager, ObjectStoreWork
 
-__all__ = ["__version__"]
+__all__ = [
+    "DILOCO_MANAGER_SURFACE",
+    "AllReduceError",
+    "CorruptObjectError",
+    "HealError",
+    "MockManager",
+    "ObjectStoreAllReduce",
+    "ObjectStoreWork",
+    "RoundAbortedError",
+    "RoundDesyncError",
+    "RoundInfo",
+    "RoundTimeoutError",
+    "StoreBackendMissingError",
+    "__version__",
+]

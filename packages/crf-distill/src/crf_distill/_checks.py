@@ -57,7 +57,9 @@ def check_index_tensor(name: str, x: object, *, shape: Sequence[int], upper: int
 def check_mask(name: str, mask: object, shape: Sequence[int]) -> torch.Tensor:
     """Require a bool/int/float mask of exactly ``shape`` with non-negative entries."""
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor (1 = response token, 0 = prompt/padding), got {type(mask).__name__}")
+        raise TypeError(
+            f"`{name}` must be a torch.Tensor (1 = response token, 0 = prompt/padding), got {type(mask).__name__}"
+        )
     if mask.is_complex():
         raise TypeError(f"`{name}` must be bool, integer or real floating-point, got dtype {mask.dtype}")
     if tuple(mask.shape) != tuple(shape):

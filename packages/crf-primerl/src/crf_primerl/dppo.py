@@ -16,14 +16,13 @@ Symbols: ``lp_θ`` trainer log-prob of the sampled token, ``lp_μ`` inference (s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 
-@dataclass(frozen=True)
-class DppoTerms:
+class DppoTerms(NamedTuple):
     """Per-token pieces of DPPO + KL that the loss and its metrics share (all ``(seq,)``)."""
 
     log_ratio: Tensor
@@ -80,25 +79,39 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
     Uses a masked sum rather than boolean indexing, so it needs no device synchronisation.
     """
-    total = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
-    return total / mask.sum().clamp_min(1)
+    return (values * mask).sum() / mask.sum().clamp_min(1)
 
 
 def dppo_metrics(terms: DppoTerms, advantages: Tensor, loss_mask: Tensor) -> dict[str, Tensor]:
     """PRIME-RL's default-loss metrics, under its names (0-d tensors, no graph).
 
-    ``*_mismatch_kl`` use the k3 estimator ``r − log_r − 1`` of KL(μ‖π) on sampler tokens.
+    ``*_mismatch_kl`` are means of the k3 estimator ``r − log_r − 1`` of KL(μ‖π) over dropped and
+    kept tokens; the rest are fractions. Because ``drop = m ∧ masked`` and ``keep = m ∧ ¬masked``
+    split the loss mask, and a token with ``A > 0`` (``A < 0``) can only be dropped by the high
+    (low) bound, four counts give every fraction: ``is_masked_high = |A>0 ∧ drop| / |m|``,
+    ``masked_advantage_positive = |A>0 ∧ drop| / |drop|``, and likewise for the low side.
     """
     with torch.no_grad():
         mismatch_kl = terms.ratio - terms.log_ratio - 1
-        negative_advantages = advantages < 0
-        drop_mask = loss_mask & terms.is_masked
+        drop = loss_mask & terms.is_masked
+        counts = torch.stack(
+            [
+                loss_mask.sum(),
+                drop.sum(),
+                (terms.positive_advantages & drop).sum(),
+                ((advantages < 0) & drop).sum(),
+            ]
+        )
+        n_mask, n_drop = counts[0], counts[1]
+        n_keep = n_mask - n_drop
+        fractions = counts[1:] / n_mask.clamp_min(1)  # is_masked, is_masked_high, is_masked_low
+        by_drop = counts[2:] / n_drop.clamp_min(1)  # masked_advantage_positive, masked_advantage_negative
         return {
-            "masked_mismatch_kl": masked_mean(mismatch_kl, drop_mask),
-            "unmasked_mismatch_kl": masked_mean(mismatch_kl, terms.keep_mask),
-            "is_masked": masked_mean(terms.is_masked, loss_mask),
-            "is_masked_low": masked_mean(negative_advantages & terms.drop_low, loss_mask),
-            "is_masked_high": masked_mean(terms.positive_advantages & terms.drop_high, loss_mask),
-            "masked_advantage_positive": masked_mean(terms.positive_advantages, drop_mask),
-            "masked_advantage_negative": masked_mean(negative_advantages, drop_mask),
+            "masked_mismatch_kl": (mismatch_kl * drop).sum() / n_drop.clamp_min(1),
+            "unmasked_mismatch_kl": (mismatch_kl * terms.keep_mask).sum() / n_keep.clamp_min(1),
+            "is_masked": fractions[0],
+            "is_masked_low": fractions[2],
+            "is_masked_high": fractions[1],
+            "masked_advantage_positive": by_drop[0],
+            "masked_advantage_negative": by_drop[1],
         }

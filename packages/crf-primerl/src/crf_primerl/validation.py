@@ -8,7 +8,7 @@ non-negative weights) cost one device synchronisation in total.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,8 +28,7 @@ _SLICE_HINT = (
 )
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     """One validated sample: every tensor is 1-D with the same length and device.
 
     ``teacher_logprobs`` holds whichever teacher field the caller's generation uses
@@ -103,7 +102,11 @@ def _check_structure(named: dict[str, Tensor]) -> None:
             b, t = tensor.shape
             raise ValueError(f"expected (seq,) shape, got (B, T) = ({b}, {t}) for {name}. {_SLICE_HINT}")
         if tensor.dim() != 1:
-            hint = " (a per-sample scalar advantage must be broadcast: advantages.expand(seq))" if name == "advantages" else ""
+            hint = (
+                " (a per-sample scalar advantage must be broadcast: advantages.expand(seq))"
+                if name == "advantages"
+                else ""
+            )
             raise ValueError(f"expected (seq,) shape for {name}, got shape {tuple(tensor.shape)}{hint}. {_SLICE_HINT}")
     seq = named["trainer_logprobs"].shape[0]
     wrong_len = {name: tensor.shape[0] for name, tensor in named.items() if tensor.shape[0] != seq}
@@ -127,24 +130,36 @@ def _check_structure(named: dict[str, Tensor]) -> None:
 
 
 def _check_values(named: dict[str, Tensor]) -> None:
-    floats = {name: tensor for name, tensor in named.items() if name != "loss_mask"}
-    flags = [~torch.isfinite(tensor.detach()).all() for tensor in floats.values()]
+    floats = [tensor.detach() for name, tensor in named.items() if name != "loss_mask"]
+    # NaN/inf anywhere makes the elementwise sum non-finite: one reduction, one synchronisation per call.
+    total = floats[0]
+    for tensor in floats[1:]:
+        total = total + tensor
+    bad = ~torch.isfinite(total).all()
     weights = named.get("loss_weights")
     if weights is not None:
-        flags.append((weights.detach() < 0).any())
-    if not bool(torch.stack(flags).any()):  # the one synchronisation per call
-        return
-    for name, tensor in floats.items():
-        bad = int((~torch.isfinite(tensor.detach())).sum())
-        if bad:
+        bad = bad | (weights.detach() < 0).any()
+    if bool(bad):
+        _diagnose_values(named)
+
+
+def _diagnose_values(named: dict[str, Tensor]) -> None:
+    """Slow path: name the offending tensor (or return when the sum merely overflowed)."""
+    for name, tensor in named.items():
+        if name == "loss_mask":
+            continue
+        n_bad = int((~torch.isfinite(tensor.detach())).sum())
+        if n_bad:
             raise ValueError(
-                f"{name} has {bad} NaN/inf entries out of {tensor.numel()}; every position of the packed sample "
+                f"{name} has {n_bad} NaN/inf entries out of {tensor.numel()}; every position of the packed sample "
                 "must be finite (PRIME-RL pads position 0 with log(1/V), never NaN): find where they come from "
                 "(an fp16 overflow, a -inf log-prob from a zero-probability token) and fix them upstream"
             )
-    raise ValueError(
-        f"loss_weights must be >= 0 (a weight scales its token's loss; 0 removes it); got min {float(weights.min())}"  # type: ignore[union-attr]
-    )
+    weights = named.get("loss_weights")
+    if weights is not None and bool((weights < 0).any()):
+        raise ValueError(
+            f"loss_weights must be >= 0 (a weight scales its token's loss; 0 removes it); got min {float(weights.min())}"
+        )
 
 
 def check_bounds(**values: float) -> None:

@@ -83,11 +83,14 @@ def _check_json(value: Any, where: str) -> None:
             if not isinstance(k, str):
                 raise RecordError(f"{where}: key {k!r} is not a string. Fix: use string keys (JSON objects)")
             _check_json(v, f"{where}.{k}")
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, list):
         for i, v in enumerate(value):
             _check_json(v, f"{where}[{i}]")
     elif not isinstance(value, (str, int, float, bool)) and value is not None:
-        raise RecordError(f"{where}: {type(value).__name__} is not JSON-serialisable. Fix: use str/int/float/bool/list/dict")
+        raise RecordError(
+            f"{where}: {type(value).__name__} does not survive a JSON round trip. "
+            "Fix: use str/int/float/bool/None/list/dict"
+        )
 
 
 def _check_common(
@@ -104,12 +107,16 @@ def _check_common(
             f"schema_version is {schema_version!r}, this crf-replaysim reads {SCHEMA_VERSION!r}. "
             "Fix: regenerate the pairs with this version (crf-replaysim replay) or install the matching crf-replaysim"
         )
-    try:
-        validate_messages(prompt_messages, "prompt_messages", min_items=1)
-        validate_messages(chosen_messages, "chosen_messages", min_items=1)
-        validate_messages(rejected_messages, "rejected_messages", min_items=1)
-    except MessageError as err:
-        raise RecordError(str(err)) from None
+    for name, messages in (
+        ("prompt_messages", prompt_messages),
+        ("chosen_messages", chosen_messages),
+        ("rejected_messages", rejected_messages),
+    ):
+        try:
+            validate_messages(messages, name, min_items=1)
+        except MessageError as err:
+            raise RecordError(str(err)) from None
+        _check_json(messages, name)
     if not isinstance(trace_id, str) or not trace_id:
         raise RecordError(f"trace_id is {trace_id!r}. Fix: give every pair the non-empty id of its source trace")
     if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
@@ -256,7 +263,7 @@ def _dj_record_to_normalized_pair(record: dict[str, Any]) -> NormalizedDPOPair:
 
 def schema_path() -> Path:
     """Path of the shipped JSON Schema of a dj record (``crf_replaysim/schema/dpo_pair.schema.json``)."""
-    return Path(str(resources.files("crf_replaysim").joinpath("schema", "dpo_pair.schema.json")))
+    return Path(str(resources.files("crf_replaysim").joinpath("schema").joinpath("dpo_pair.schema.json")))
 
 
 def load_schema() -> dict[str, Any]:

@@ -10,7 +10,9 @@ HTTP date, refused above ``max_retry_after_s``), else equal-jitter exponential b
 ``d/2 + U(0, d/2)`` with ``d = min(backoff_max_s, backoff_base_s * 2**k)``. Other 4xx fail at once.
 
 Cache: with ``cache_dir``, each successful reply is stored under the SHA-256 of the canonical
-request (URL + body, never the key); an identical request is answered from disk.
+request (URL + body, never the key); an identical request is answered from disk. Identical
+requests made while one is in flight wait for it instead of sending their own (rollouts of the
+same task share their first contexts).
 
 The API key is read from the environment variable ``api_key_env`` (``OPENROUTER_API_KEY`` by
 default; ``None`` sends no key, for local servers). It is sent only in the ``Authorization``
@@ -20,7 +22,10 @@ header and never appears in a repr, a log record or an error message.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import email.utils
+import functools
 import hashlib
 import json
 import logging
@@ -161,8 +166,9 @@ def _parse_completion(data: Any) -> tuple[dict[str, Any], str | None, str | None
         err = data["error"]
         code = err.get("code") if isinstance(err, dict) else None
         msg = err.get("message") if isinstance(err, dict) else err
-        if isinstance(code, int) and (code in _RETRY_STATUSES or code >= 500):
-            raise TeacherHTTPError(f"endpoint reported error {code}: {msg}", status=code, retryable=True)
+        if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600:
+            retryable = code in _RETRY_STATUSES or code >= 500
+            raise TeacherHTTPError(f"endpoint reported error {code}: {str(msg)[:_BODY_SNIPPET]}", code, retryable)
         raise TeacherResponseError(f"endpoint reported an error: {str(msg)[:_BODY_SNIPPET]}")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -218,7 +224,9 @@ class TeacherClient:
             raise TeacherConfigError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise TeacherConfigError(f"max_retries must be an int >= 0, got {max_retries!r}")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
             raise TeacherConfigError(f"max_tokens must be None or an int >= 1, got {max_tokens!r}")
         reserved = {"model", "messages", "tools"} & set(extra_body or {})
         if reserved:
@@ -242,7 +250,9 @@ class TeacherClient:
         self._http: httpx.AsyncClient | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0}
+        self._inflight: dict[str, asyncio.Future[TeacherReply]] = {}
+        self._waiters: dict[str, int] = {}
+        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "deduplicated": 0}
 
     @staticmethod
     def _read_api_key(api_key_env: str | None) -> _Secret | None:
@@ -281,7 +291,9 @@ class TeacherClient:
             headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
         return headers
 
-    def request_body(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    def request_body(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """The JSON body sent for ``messages`` (and ``tools``)."""
         body: dict[str, Any] = {"model": self.model, "messages": list(messages), "temperature": self.temperature}
         if self.max_tokens is not None:
@@ -293,7 +305,9 @@ class TeacherClient:
 
     def cache_key(self, body: Mapping[str, Any]) -> str:
         """SHA-256 hex of the canonical request (URL + body). The API key is not part of it."""
-        canonical = json.dumps({"url": self.chat_url, "body": body}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        canonical = json.dumps(
+            {"url": self.chat_url, "body": body}, sort_keys=True, ensure_ascii=False, separators=(",", ":")
+        )
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
     def _cache_file(self, key: str) -> Path | None:
@@ -333,6 +347,7 @@ class TeacherClient:
             self._http = httpx.AsyncClient(timeout=timeout, limits=limits)
             self._semaphore = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop
+            self._inflight, self._waiters = {}, {}
         return self._http, self._semaphore
 
     async def aclose(self) -> None:
@@ -340,6 +355,7 @@ class TeacherClient:
         if self._http is not None:
             await self._http.aclose()
         self._http = self._semaphore = self._loop = None
+        self._inflight, self._waiters = {}, {}
 
     async def __aenter__(self) -> TeacherClient:
         return self
@@ -360,11 +376,13 @@ class TeacherClient:
                 ) from None
             except httpx.TransportError as err:
                 raise TeacherHTTPError(
-                    f"cannot reach {self.chat_url}: {type(err).__name__}: {self._redact(str(err))}", status=0, retryable=True
+                    f"cannot reach {self.chat_url}: {type(err).__name__}: {self._redact(str(err))}",
+                    status=0,
+                    retryable=True,
                 ) from None
         if resp.status_code != 200:
             retryable = resp.status_code in _RETRY_STATUSES or resp.status_code >= 500
-            snippet = self._redact(resp.text[:_BODY_SNIPPET])
+            snippet = self._redact(resp.text)[:_BODY_SNIPPET]
             hint = ""
             if resp.status_code in (401, 403):
                 hint = f" Fix: check the key in ${self.api_key_env} (or --api-key-env) is valid for {self.base_url}"
@@ -380,7 +398,7 @@ class TeacherClient:
             return resp.json()
         except ValueError:
             raise TeacherResponseError(
-                f"HTTP 200 from {self.chat_url} but the body is not JSON: {self._redact(resp.text[:_BODY_SNIPPET])!r}"
+                f"HTTP 200 from {self.chat_url} but the body is not JSON: {self._redact(resp.text)[:_BODY_SNIPPET]!r}"
             ) from None
 
     async def complete(
@@ -388,6 +406,7 @@ class TeacherClient:
     ) -> TeacherReply:
         """The teacher's next assistant action after ``messages`` (OpenAI chat list), offering ``tools``.
 
+        Identical requests made while one is in flight share its HTTP call (``stats["deduplicated"]``).
         Raises ``TeacherHTTPError`` for non-retryable statuses (401, 403, 404, other 4xx),
         ``TeacherRetriesExhausted`` after ``max_retries`` retries of retryable failures.
         """
@@ -406,6 +425,34 @@ class TeacherClient:
             else:
                 self.stats["cache_hits"] += 1
                 return TeacherReply(message, finish, model, usage, cached=True)
+        self._ensure_session()
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._fetch(key, body))
+            self._inflight[key] = task
+            self._waiters[key] = 0
+            task.add_done_callback(functools.partial(self._forget, key))
+        else:
+            self.stats["deduplicated"] += 1
+        self._waiters[key] += 1
+        try:
+            reply = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self._waiters.get(key) == 1:  # the last caller gave up: stop the request too
+                task.cancel()
+            raise
+        finally:
+            if key in self._waiters:
+                self._waiters[key] -= 1
+        return dataclasses.replace(reply, message=copy.deepcopy(reply.message))  # callers share no mutable state
+
+    def _forget(self, key: str, task: object) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+            self._waiters.pop(key, None)
+
+    async def _fetch(self, key: str, body: Mapping[str, Any]) -> TeacherReply:
+        """POST ``body`` with retries; cache and return the parsed reply."""
         last: TeacherError | None = None
         for attempt in range(self.max_retries + 1):
             try:
@@ -434,7 +481,9 @@ class TeacherClient:
             if attempt == self.max_retries:
                 break
             self.stats["retries"] += 1
-            logger.warning("teacher attempt %d/%d failed: %s; retrying in %.2f s", attempt + 1, self.max_retries + 1, last, delay)
+            logger.warning(
+                "teacher attempt %d/%d failed: %s; retrying in %.2f s", attempt + 1, self.max_retries + 1, last, delay
+            )
             await asyncio.sleep(delay)
         assert last is not None
         raise TeacherRetriesExhausted(

@@ -94,7 +94,9 @@ def parse_trace(obj: Any, line: int = 0) -> Trace:
         raise TraceError(f"a trace is a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - _TRACE_KEYS)
     if unknown:
-        raise TraceError(f"unknown keys {unknown}. Fix: a trace has trace_id, messages, tools, meta; put extras in meta")
+        raise TraceError(
+            f"unknown keys {unknown}. Fix: a trace has trace_id, messages, tools, meta; put extras in meta"
+        )
     trace_id = obj.get("trace_id")
     if not isinstance(trace_id, str) or not trace_id:
         raise TraceError(f"trace_id is {trace_id!r}. Fix: give every trace a non-empty string id")
@@ -143,7 +145,9 @@ def iter_traces(path: str | Path) -> Iterator[Trace | MalformedLine]:
                 yield MalformedLine(lineno, str(err))
                 continue
             if trace.trace_id in seen:
-                yield MalformedLine(lineno, f"trace_id {trace.trace_id!r} repeats an earlier line. Fix: make ids unique")
+                yield MalformedLine(
+                    lineno, f"trace_id {trace.trace_id!r} repeats an earlier line. Fix: make ids unique"
+                )
                 continue
             seen.add(trace.trace_id)
             yield trace
@@ -160,4 +164,4 @@ def load_traces(path: str | Path) -> tuple[list[Trace], list[MalformedLine]]:
 
 def example_traces_path() -> Path:
     """Path of the shipped example traces (``crf_replaysim/data/example_traces.jsonl``)."""
-    return Path(str(resources.files("crf_replaysim").joinpath("data", "example_traces.jsonl")))
+    return Path(str(resources.files("crf_replaysim").joinpath("data").joinpath("example_traces.jsonl")))

@@ -6,6 +6,7 @@ Shared by `LocalProcessExecutor` (children of the launcher) and `RayExecutor` (c
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -78,7 +79,8 @@ class ReplicaProcess:
             raise OSError(
                 exc.errno, f"cannot start replica {rank}: {exc.strerror} (command {list(argv)!r}, cwd {cwd!r})"
             ) from exc
-        assert self.popen.stdout is not None and self.popen.stderr is not None
+        assert self.popen.stdout is not None
+        assert self.popen.stderr is not None
         self._readers = [
             threading.Thread(target=self._pump, args=(self.popen.stdout, "stdout"), daemon=True),
             threading.Thread(target=self._pump, args=(self.popen.stderr, "stderr"), daemon=True),
@@ -118,16 +120,15 @@ class ReplicaProcess:
 
     def signal_group(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the replica's process group (no-op once the group is gone)."""
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
             os.killpg(self.popen.pid, sig)
-        except (ProcessLookupError, PermissionError):  # group already gone
-            pass
 
     def finish(self) -> ReplicaResult:
         """Reap the exited child, drain its output, and report. Leftover grandchildren holding the pipes are killed."""
         self._exited.wait()
         returncode = self.popen.returncode
-        assert returncode is not None and self._ended_at is not None
+        assert returncode is not None
+        assert self._ended_at is not None
         for reader in self._readers:
             reader.join(_READER_JOIN_S)
         if any(reader.is_alive() for reader in self._readers):

@@ -32,7 +32,6 @@ OutputCallback = Callable[[int, str, str], None]
 """``on_output(rank, stream, line)``: called once per output line of a replica; ``stream`` is ``"stdout"`` or
 ``"stderr"``, ``line`` has no trailing newline. Called from reader threads, so it must be thread-safe."""
 
-_RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -150,16 +149,6 @@ def new_run_id() -> str:
     return f"run-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
-def validate_run_id(run_id: str) -> str:
-    """Return ``run_id`` if it is a safe single path component (letters, digits, ``._-``; 1–128 chars)."""
-    if not isinstance(run_id, str) or not _RUN_ID_PATTERN.fullmatch(run_id):
-        raise ValueError(
-            f"run_id must be 1-128 characters from [A-Za-z0-9._-] starting with a letter or digit "
-            f"(it becomes one folder under the store URI), got {run_id!r}"
-        )
-    return run_id
-
-
 def validate_world_size(world_size: int) -> int:
     """Return ``world_size`` if it is an int >= 1."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -192,7 +181,9 @@ def validate_command(command: Sequence[str]) -> list[str]:
 def normalize_uri(uri: str) -> str:
     """Validate the store URI; make a bare relative path absolute so replicas with another cwd share it."""
     if not isinstance(uri, str) or not uri.strip():
-        raise ValueError(f"uri must be a non-empty fsspec URI or local path (e.g. 's3://bucket/runs', '/tmp/store'), got {uri!r}")
+        raise ValueError(
+            f"uri must be a non-empty fsspec URI or local path (e.g. 's3://bucket/runs', '/tmp/store'), got {uri!r}"
+        )
     if _URI_SCHEME.match(uri):
         return uri
     return os.path.abspath(os.path.expanduser(uri))
@@ -214,9 +205,7 @@ def replica_environment(
         raise TypeError(f"env keys and values must be strings; offending keys: {bad!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got {rank}")
-    extra.update(
-        {ENV_RANK: str(rank), ENV_WORLD_SIZE: str(world_size), ENV_URI: uri, ENV_RUN_ID: run_id}
-    )
+    extra.update({ENV_RANK: str(rank), ENV_WORLD_SIZE: str(world_size), ENV_URI: uri, ENV_RUN_ID: run_id})
     return extra
 
 

@@ -15,10 +15,10 @@ from crf_diloco.executors.base import (
     normalize_uri,
     replica_environment,
     validate_command,
-    validate_run_id,
     validate_timeout,
     validate_world_size,
 )
+from crf_diloco.layout import validate_name
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class LocalProcessExecutor:
         argv = validate_command(command)
         validate_world_size(world_size)
         uri = normalize_uri(uri)
-        run_id = validate_run_id(run_id) if run_id is not None else new_run_id()
+        run_id = validate_name(run_id, "run_id") if run_id is not None else new_run_id()
         base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         handles: list[LocalReplicaHandle] = []
         try:

@@ -7,28 +7,32 @@ than exceptions. Ray is imported lazily: install it with ``pip install 'crf-dilo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from crf_diloco.executors._process import ReplicaProcess, terminate_all
 from crf_diloco.executors.base import (
     OutputCallback,
     ReplicaResult,
+    describe_returncode,
     new_run_id,
     normalize_uri,
     replica_environment,
     validate_command,
-    validate_run_id,
     validate_timeout,
     validate_world_size,
 )
+from crf_diloco.layout import validate_name
 
 _RAY_INSTALL_HINT = "RayExecutor needs Ray, which is not installed: pip install 'crf-diloco[ray]'"
 _CANCEL_POLL_S = 0.2
+_CANCELLED = "cancelled by the launcher"
+_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def _import_ray() -> Any:
@@ -52,7 +56,8 @@ def _run_replica_task(
 
     Lines go to ``output_queue`` (a `ray.util.queue.Queue`) when the driver asked for them, otherwise to this
     worker's own stdout/stderr with a ``[rank r]`` prefix (Ray forwards those to the driver's console).
-    A cancellation (``ray.cancel``) arrives as KeyboardInterrupt and stops the child before re-raising.
+    A cancellation (``ray.cancel``) arrives as KeyboardInterrupt between bytecodes, hence the polling wait; the
+    child is then stopped and the result says so.
     """
     import sys
 
@@ -63,11 +68,18 @@ def _run_replica_task(
             print(f"[rank {r}] {line}", file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
 
     process = ReplicaProcess(rank, argv, {**os.environ, **env}, cwd=cwd, on_output=relay, tail_lines=tail_lines)
+    cancelled = False
     try:
-        process.wait(None)
+        while process.wait(_CANCEL_POLL_S) is None:
+            pass
+    except KeyboardInterrupt:
+        cancelled = True
     finally:
         terminate_all([process], terminate_grace_s)
-    return process.finish()
+    result = process.finish()
+    if cancelled:
+        result = replace(result, error=f"{_CANCELLED}; terminated ({describe_returncode(result.returncode)})")
+    return result
 
 
 @dataclass
@@ -78,7 +90,7 @@ class RayReplicaHandle:
     run_id: str
     ref: Any
     started_at: float
-    _relay: _OutputRelay | None = field(default=None, repr=False)
+    _launch: _RayLaunch | None = field(default=None, repr=False)
 
 
 class _OutputRelay:
@@ -88,7 +100,6 @@ class _OutputRelay:
         self._queue = queue
         self._on_output = on_output
         self._stop = threading.Event()
-        self._users = 0
         self._thread = threading.Thread(target=self._drain, daemon=True)
         self._thread.start()
 
@@ -100,10 +111,8 @@ class _OutputRelay:
                 if self._stop.is_set():
                     return
                 continue
-            try:
+            with contextlib.suppress(Exception):  # a broken callback must not stop the relay for other replicas
                 self._on_output(rank, stream, line)
-            except Exception:  # a broken callback must not stop the relay for other replicas
-                pass
 
     def close(self) -> None:
         """Stop after the queue is empty; then kill the queue actor."""
@@ -112,11 +121,34 @@ class _OutputRelay:
         self._queue.shutdown(force=True)
 
 
+@dataclass
+class _RayLaunch:
+    """What one `launch_replicas` call holds until its replicas are collected: output relay, placement group."""
+
+    relay: _OutputRelay | None
+    placement_group: Any
+    closed: bool = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.relay is not None:
+            self.relay.close()
+        if self.placement_group is not None:
+            from ray.util import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+
+
 class RayExecutor:
     """Runs each replica as a Ray task that starts ``command`` as a child process of its worker.
 
     The task gets ``num_cpus`` (and ``num_gpus``) per replica and ``max_retries=0``: a replica that dies is a
-    failed replica, not a silent re-run. The environment of each child is the worker's plus ``env`` and the
+    failed replica, not a silent re-run. Replicas are gang-scheduled: a placement group reserves one bundle per
+    replica first, because replicas that allreduce must all run at once (if only some fit, the others would
+    wait in Ray's queue while the running ones time out their rounds). When the cluster cannot hold them all
+    within ``placement_timeout_s``, `launch_replicas` raises instead. The environment of each child is the worker's plus ``env`` and the
     ``CRF_DILOCO_*`` variables. Output lines reach ``on_output`` through a Ray queue; without ``on_output`` they
     are printed by the workers as ``[rank r] line`` and forwarded by Ray to the driver's console.
 
@@ -124,6 +156,9 @@ class RayExecutor:
         address: Ray cluster to connect to when Ray is not initialised yet (``None``: ``RAY_ADDRESS`` or a new
             local cluster). A cluster this executor started is shut down by `close`.
         num_cpus, num_gpus: resources each replica task reserves.
+        placement_strategy: how the bundles spread over nodes: ``"PACK"`` (default), ``"SPREAD"``,
+            ``"STRICT_PACK"`` or ``"STRICT_SPREAD"`` (one replica per node).
+        placement_timeout_s: how long to wait for the cluster to fit every replica.
         cwd: working directory of the replicas (default: the driver's, unless ``runtime_env`` ships a
             ``working_dir``, which then is the replica's).
         runtime_env: Ray runtime environment for the replica tasks (``working_dir``, ``pip``, ...).
@@ -138,6 +173,8 @@ class RayExecutor:
         address: str | None = None,
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
+        placement_strategy: str = "PACK",
+        placement_timeout_s: float = 60.0,
         cwd: str | None = None,
         runtime_env: Mapping[str, Any] | None = None,
         terminate_grace_s: float = 5.0,
@@ -148,12 +185,17 @@ class RayExecutor:
         for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0 (resources per replica task), got {value!r}")
+        if placement_strategy not in _PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {_PLACEMENT_STRATEGIES}, got {placement_strategy!r}")
+        validate_timeout(placement_timeout_s, "placement_timeout_s")
         validate_timeout(terminate_grace_s, "terminate_grace_s")
         if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 1:
             raise ValueError(f"tail_lines must be an int >= 1, got {tail_lines!r}")
         self.address = address
         self.num_cpus = float(num_cpus)
         self.num_gpus = float(num_gpus)
+        self.placement_strategy = placement_strategy
+        self.placement_timeout_s = float(placement_timeout_s)
         self.cwd = cwd
         self.runtime_env = dict(runtime_env) if runtime_env else None
         self.terminate_grace_s = float(terminate_grace_s)
@@ -196,33 +238,58 @@ class RayExecutor:
         argv = validate_command(command)
         validate_world_size(world_size)
         uri = normalize_uri(uri)
-        run_id = validate_run_id(run_id) if run_id is not None else new_run_id()
-        envs = [{"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, env)} for r in range(world_size)]
+        run_id = validate_name(run_id, "run_id") if run_id is not None else new_run_id()
+        envs = [
+            {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, env)} for r in range(world_size)
+        ]
         self._ensure_ray()
         cwd = self.cwd
         if cwd is None and not (self.runtime_env and "working_dir" in self.runtime_env):
             cwd = os.getcwd()
+        bundle = {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
+        placement_group = self._reserve(bundle, world_size) if bundle else None
         relay = None
         if on_output is not None:
             from ray.util.queue import Queue
 
             relay = _OutputRelay(Queue(actor_options={"num_cpus": 0}), on_output)
+        launch = _RayLaunch(relay=relay, placement_group=placement_group)
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "max_retries": 0}
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
+        queue = relay._queue if relay is not None else None
         handles = []
         for rank in range(world_size):
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=rank
+                )
             ref = self._remote_fn.options(name=f"crf-diloco-{run_id}-rank{rank}", **options).remote(
-                rank,
-                argv,
-                envs[rank],
-                cwd,
-                relay._queue if relay is not None else None,
-                self.terminate_grace_s,
-                self.tail_lines,
+                rank, argv, envs[rank], cwd, queue, self.terminate_grace_s, self.tail_lines
             )
-            handles.append(RayReplicaHandle(rank=rank, run_id=run_id, ref=ref, started_at=time.monotonic(), _relay=relay))
+            handles.append(
+                RayReplicaHandle(rank=rank, run_id=run_id, ref=ref, started_at=time.monotonic(), _launch=launch)
+            )
         return handles
+
+    def _reserve(self, bundle: dict[str, float], world_size: int) -> Any:
+        """A ready placement group of ``world_size`` bundles, or RuntimeError naming what the cluster lacks."""
+        from ray.util import placement_group, remove_placement_group
+
+        ray = self._ray
+        group = placement_group([dict(bundle)] * world_size, strategy=self.placement_strategy)
+        try:
+            ray.get(group.ready(), timeout=self.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise RuntimeError(
+                f"the Ray cluster cannot run {world_size} replicas at once ({bundle} each, strategy "
+                f"{self.placement_strategy}) within {self.placement_timeout_s:g} s; it has "
+                f"{ray.available_resources()} available. Launch fewer replicas, lower num_cpus/num_gpus, or add nodes."
+            ) from None
+        return group
 
     def collect(self, handles: Sequence[RayReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
         """Wait for every task or ``timeout`` s; cancel the late ones; map Ray errors to failed results."""
@@ -233,7 +300,7 @@ class RayExecutor:
         if pending:
             self._cancel(pending)
         results = [self._result(h, timed_out_after=timeout if id(h.ref) in late else None) for h in handles]
-        self._close_relays(handles)
+        self._close_launches(handles)
         return sorted(results, key=lambda r: r.rank)
 
     def terminate(self, handles: Sequence[RayReplicaHandle]) -> None:
@@ -243,7 +310,7 @@ class RayExecutor:
             _, pending = self._ray.wait(refs, num_returns=len(refs), timeout=0)
             if pending:
                 self._cancel(pending)
-        self._close_relays(handles)
+        self._close_launches(handles)
 
     def _cancel(self, refs: list[Any]) -> None:
         """Interrupt the tasks (their ``finally`` stops the child); force-kill workers that do not end in time."""
@@ -253,24 +320,36 @@ class RayExecutor:
         for ref in still:
             self._ray.cancel(ref, force=True)
 
-    def _close_relays(self, handles: Sequence[RayReplicaHandle]) -> None:
-        for relay in {id(h._relay): h._relay for h in handles if h._relay is not None}.values():
-            relay.close()
+    def _close_launches(self, handles: Sequence[RayReplicaHandle]) -> None:
+        for launch in {id(h._launch): h._launch for h in handles if h._launch is not None}.values():
+            launch.close()
 
     def _result(self, handle: RayReplicaHandle, *, timed_out_after: float | None) -> ReplicaResult:
         """The task's own `ReplicaResult`, or a failed one describing the Ray error that replaced it."""
         ray = self._ray
         try:
             result: ReplicaResult = ray.get(handle.ref)
-            return result
         except ray.exceptions.TaskCancelledError:
-            error = "cancelled by the launcher"
+            error = _CANCELLED
         except ray.exceptions.RayTaskError as exc:  # the task body raised (e.g. the command could not start)
             error = f"replica task raised {type(exc.cause).__name__}: {exc.cause}"
-        except (ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError) as exc:
-            error = f"Ray worker died ({type(exc).__name__}): {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        except (
+            ray.exceptions.WorkerCrashedError,
+            ray.exceptions.OutOfMemoryError,
+            ray.exceptions.NodeDiedError,
+        ) as exc:
+            first_line = next(iter(str(exc).strip().splitlines()), "")
+            error = f"Ray worker died ({type(exc).__name__}): {first_line}"
         except ray.exceptions.RayError as exc:
             error = f"Ray error ({type(exc).__name__}): {exc}"
+        else:
+            if timed_out_after is None:
+                return result
+            return replace(
+                result,
+                timed_out=True,
+                error=f"timed out after {timed_out_after:g} s; terminated ({describe_returncode(result.returncode)})",
+            )
         if timed_out_after is not None:
             error = f"timed out after {timed_out_after:g} s; {error}"
         return ReplicaResult(

@@ -1,0 +1,45 @@
+"""Shared fixtures for crf-core tests: tiny Hugging Face causal LMs built from a config (no downloads)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+
+def _tiny_llama(vocab_size: int = 96, num_hidden_layers: int = 1, seed: int = 0, **overrides: Any) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.eval()  # no dropout: repeated forwards are identical
+    return model
+
+
+@pytest.fixture
+def make_tiny_causal_lm() -> Callable[..., Any]:
+    """Factory ``make_tiny_causal_lm(vocab_size=96, num_hidden_layers=1, seed=0, **config_overrides)``.
+
+    Returns a randomly initialised ``LlamaForCausalLM`` (hidden 32, 4 heads) in eval mode.
+    """
+    pytest.importorskip("transformers")
+    return _tiny_llama
+
+
+@pytest.fixture
+def tiny_causal_lm(make_tiny_causal_lm: Callable[..., Any]) -> Any:
+    """A tiny ``LlamaForCausalLM`` (vocab 96, one layer), seeded."""
+    return make_tiny_causal_lm()

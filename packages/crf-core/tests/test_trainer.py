@@ -1,0 +1,339 @@
+"""ComposerReplicationTrainer on a tiny offline model: channels on/off, values vs crf-distill/compose_loss, SDPO behaviour."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from crf_core.loss import compose_loss  # noqa: E402
+from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer  # noqa: E402
+from crf_core.trainer.replay_dpo import collate_pairs, pair_logps  # noqa: E402
+from crf_core.trainer.sdpo import response_logits  # noqa: E402
+from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm  # noqa: E402
+
+PROMPT = "def add(a, b):\n    return"
+PROMPT_2 = "def sub(a, b):\n    return"  # same length: no left padding, so positions agree across code paths
+PAIRS = [
+    {"prompt": PROMPT, "chosen": " a + b", "rejected": " a - b"},
+    {"prompt": "def neg(x):\n    return", "chosen": " -x", "rejected": " x"},
+    {"prompt": "def sq(x):\n    return", "chosen": " x * x", "rejected": " x + x"},
+]
+
+
+def half_success(completions: list[str], **kwargs: Any) -> list[float]:
+    """Deterministic reward: every second completion of a group succeeds, the others get feedback."""
+    kwargs["log_extra"]("feedback", [None if i % 2 else f"wrong answer #{i}" for i in range(len(completions))])
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def _config(tmp_path: Path, **overrides: Any) -> ComposerConfig:
+    base: dict[str, Any] = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_completion_length": 8,
+        "max_steps": 2,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "learning_rate": 5e-3,
+        "gradient_checkpointing": False,
+        "disable_tqdm": True,
+        "seed": 0,
+        "sdpo_top_k": 8,
+    }
+    base.update(overrides)
+    return ComposerConfig(**base)
+
+
+def _trainer(tmp_path: Path, pairs: list[dict[str, str]] | None = None, **overrides: Any) -> ComposerReplicationTrainer:
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2)
+    dataset = Dataset.from_list([{"prompt": PROMPT}, {"prompt": PROMPT_2}] * 4)
+    return ComposerReplicationTrainer(
+        model=model,
+        reward_funcs=half_success,
+        args=_config(tmp_path, **overrides),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        trace_replay_pairs=pairs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("weights", "channels"),
+    [
+        ({"sdpo_weight": 0.0}, {"grpo"}),
+        ({"grpo_weight": 0.0}, {"sdpo_jsd"}),
+        ({"grpo_weight": 0.0, "sdpo_weight": 0.0, "trace_replay_dpo_weight": 1.0}, {"trace_replay_dpo"}),
+        ({"trace_replay_dpo_weight": 0.5}, {"grpo", "sdpo_jsd", "trace_replay_dpo"}),
+    ],
+    ids=["grpo-only", "sdpo-only", "dpo-only", "all"],
+)
+def test_channels_on_and_off_train_a_few_steps(
+    tmp_path: Path, weights: dict[str, float], channels: set[str]
+) -> None:
+    pairs = PAIRS if weights.get("trace_replay_dpo_weight", 0.0) > 0 else None
+    trainer = _trainer(tmp_path, pairs, **weights)
+    before = copy.deepcopy(trainer.model.state_dict())
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    for name in ("grpo", "sdpo_jsd", "trace_replay_dpo"):
+        present = all(name in entry for entry in logs)
+        assert present == (name in channels), name
+    for entry in logs:
+        assert all(torch.isfinite(torch.tensor(entry[name])) for name in channels)
+        # TRL's own logging keeps working next to the channels
+        assert {"reward", "rewards/half_success/mean"} <= set(entry)
+        assert ("entropy" in entry) == ("grpo" in channels)  # TRL logs entropy inside its GRPO loss
+        if "sdpo_jsd" in channels:
+            # successes (odd rows) have no successful peer and no feedback: masked out
+            assert entry["self_distillation/reprompt_sample_fraction"] == 0.5
+    changed = any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert changed
+
+
+def _batch(trainer: ComposerReplicationTrainer) -> dict[str, Any]:
+    trainer.model.train()
+    rows = [{"prompt": PROMPT}] * 2 + [{"prompt": PROMPT_2}] * 2
+    torch.manual_seed(0)
+    return trainer._generate_and_score_completions(rows)
+
+
+def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> None:
+    trainer = _trainer(
+        tmp_path,
+        PAIRS,
+        trace_replay_dpo_weight=0.7,
+        sdpo_weight=0.3,
+        grpo_weight=1.0,
+        trace_replay_batch_size=2,
+        sdpo_environment_feedback_only_without_solution=False,
+    )
+    trainer.current_gradient_accumulation_steps = 2  # what Trainer sets inside its loop
+    batch = _batch(trainer)
+    model = trainer.model
+    # failures (even rows) get their peer's success as demonstration plus their feedback; the
+    # successes have neither (their only peer failed, no feedback) and are masked out
+    assert batch["sdpo_mask"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    teacher_text = trainer.processing_class.batch_decode(batch["sdpo_teacher_prompt_ids"], skip_special_tokens=True)
+    assert "Correct solution" in teacher_text[0] and "wrong answer #0" in teacher_text[0]
+    assert "wrong answer #2" in teacher_text[2]
+    assert teacher_text[1] == PROMPT
+
+    cursor = (list(trainer._pair_order), trainer._pair_cursor)
+    total = trainer.compute_loss(model, batch)
+    metrics = trainer._metrics["train"]
+    sdpo, dpo = metrics["sdpo_jsd"][-1], metrics["trace_replay_dpo"][-1]
+
+    # channel 1 is TRL's own loss, untouched
+    grpo = GRPOTrainer.compute_loss(trainer, model, batch)
+    assert metrics["grpo"][-1] == pytest.approx(float(grpo.detach()) * 2)
+
+    # SDPO == compose_loss's sdpo_jsd with the same teacher logits (EMA copy == initial policy here)
+    with torch.no_grad():
+        teacher_logits = response_logits(
+            trainer.sdpo_teacher.module,
+            batch["sdpo_teacher_prompt_ids"],
+            batch["sdpo_teacher_prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_mask"],
+        )
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    assert bool(batch["prompt_mask"].all()), "equal-length prompts keep positions identical in both paths"
+    reference = compose_loss(
+        model,
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "completion_mask": batch["completion_mask"],
+            "teacher_logits": teacher_logits,
+            "self_distillation_mask": batch["sdpo_mask"],
+        },
+        lm_ce_weight=0.0,
+        dpo_weight=0.0,
+        sdpo_alpha=0.5,
+        sdpo_top_k=8,
+    )
+    assert sdpo == pytest.approx(float(reference.sdpo_jsd), rel=1e-5, abs=1e-7)
+
+    # trace-replay DPO == compose_loss's trace_replay_dpo on the same two pairs and reference
+    trainer._pair_order, trainer._pair_cursor = cursor
+    idx = trainer._next_pair_indices()
+    pb = collate_pairs([trainer._pairs[i] for i in idx], trainer._pad_id())
+    p = pb.num_pairs
+    ref_c, ref_r = (t[idx] for t in trainer._pair_ref)
+    reference = compose_loss(
+        model,
+        {
+            "input_ids": ids,
+            "dpo_chosen_input_ids": pb.input_ids[:p],
+            "dpo_rejected_input_ids": pb.input_ids[p:],
+            "dpo_chosen_attention_mask": pb.attention_mask[:p],
+            "dpo_rejected_attention_mask": pb.attention_mask[p:],
+            "dpo_chosen_response_mask": pb.response_mask[:p],
+            "dpo_rejected_response_mask": pb.response_mask[p:],
+            "dpo_chosen_ref_logprobs": ref_c,
+            "dpo_rejected_ref_logprobs": ref_r,
+        },
+        lm_ce_weight=0.0,
+        sdpo_weight=0.0,
+    )
+    assert dpo == pytest.approx(float(reference.trace_replay_dpo), rel=1e-5, abs=1e-7)
+    # the 'initial' reference is the untrained policy's summed log-probs
+    with torch.no_grad():
+        c0, r0 = pair_logps(trainer.sdpo_teacher.module, pb, average=False)
+    torch.testing.assert_close(ref_c, c0.float())
+    torch.testing.assert_close(ref_r, r0.float())
+
+    # the composition: w_grpo·grpo + (w_sdpo·sdpo + w_dpo·dpo) / GA
+    assert float(total) == pytest.approx(float(grpo) + (0.3 * sdpo + 0.7 * dpo) / 2, rel=1e-5)
+
+
+def test_simpo_variant_is_reference_free(tmp_path: Path) -> None:
+    trainer = _trainer(
+        tmp_path, PAIRS, trace_replay_dpo_weight=1.0, sdpo_weight=0.0, dpo_variant="simpo", trace_replay_batch_size=3
+    )
+    assert trainer.trace_replay_reference == "none" and trainer._pair_ref is None
+    trainer.model.train()
+    loss = trainer.trace_replay_channel_loss(trainer.model, indices=[0, 1, 2])
+    pb = collate_pairs(trainer._pairs, trainer._pad_id())
+    reference = compose_loss(
+        trainer.model,
+        {
+            "input_ids": pb.input_ids,
+            "dpo_chosen_input_ids": pb.input_ids[:3],
+            "dpo_rejected_input_ids": pb.input_ids[3:],
+            "dpo_chosen_attention_mask": pb.attention_mask[:3],
+            "dpo_rejected_attention_mask": pb.attention_mask[3:],
+            "dpo_chosen_response_mask": pb.response_mask[:3],
+            "dpo_rejected_response_mask": pb.response_mask[3:],
+        },
+        lm_ce_weight=0.0,
+        sdpo_weight=0.0,
+        dpo_variant="simpo",
+    )
+    assert float(loss) == pytest.approx(float(reference.trace_replay_dpo), rel=1e-5)
+
+
+def test_precomputed_reference_is_used(tmp_path: Path) -> None:
+    pairs = [dict(p, ref_chosen_logps=-3.0 - i, ref_rejected_logps=-4.0) for i, p in enumerate(PAIRS)]
+    trainer = _trainer(tmp_path, pairs, trace_replay_dpo_weight=1.0)
+    assert trainer.trace_replay_reference == "precomputed"
+    torch.testing.assert_close(trainer._pair_ref[0], torch.tensor([-3.0, -4.0, -5.0]))
+
+
+def test_ema_teacher_follows_the_rate(tmp_path: Path) -> None:
+    frozen = _trainer(tmp_path / "frozen", sdpo_teacher_update_rate=0.0)
+    initial = copy.deepcopy(frozen.sdpo_teacher.module.state_dict())
+    frozen.train()
+    assert all(torch.equal(initial[k], v) for k, v in frozen.sdpo_teacher.module.state_dict().items())
+
+    moving = _trainer(tmp_path / "moving", sdpo_teacher_update_rate=0.5, max_steps=1)
+    start = {k: v.clone() for k, v in moving.sdpo_teacher.module.state_dict().items()}
+    moving.train()
+    policy = moving.model.state_dict()
+    for name, value in moving.sdpo_teacher.module.state_dict().items():
+        torch.testing.assert_close(value, 0.5 * start[name] + 0.5 * policy[name])
+    # the copy runs its own weights, not the live policy's (TRL 1.16 patches forward on the instance)
+    assert not any(torch.equal(policy[k], v) for k, v in moving.sdpo_teacher.module.state_dict().items() if v.dim() == 2)
+
+
+def test_missing_or_unused_pairs_fail_loudly(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no pairs were given"):
+        _trainer(tmp_path, None, trace_replay_dpo_weight=1.0)
+    with pytest.raises(ValueError, match="would be ignored"):
+        _trainer(tmp_path, PAIRS)
+    with pytest.raises(ValueError, match="needs a string 'chosen'"):
+        _trainer(tmp_path, [{"prompt": "p", "chosen": ["x"], "rejected": "y"}], trace_replay_dpo_weight=1.0)
+    with pytest.raises(TypeError, match="ComposerConfig"):
+        ComposerReplicationTrainer(model=build_tiny_causal_lm(build_char_tokenizer()), reward_funcs=half_success)
+
+
+def _train_copy_model(steps: int = 250) -> tuple[Any, Any]:
+    """A tiny model trained on teacher-format strings ``P#D>D``: it learns to copy a demonstration D."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=1)
+    rng = random.Random(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    eos = tokenizer.eos_token_id
+    for _ in range(steps):
+        texts = []
+        for _ in range(32):
+            p = "".join(rng.choice("abcd") for _ in range(3)) + ":"
+            d = "".join(rng.choice("efgh") for _ in range(4))
+            texts.append(f"{p}#{d}>{d}")
+        ids = torch.tensor([tokenizer(t)["input_ids"] + [eos] for t in texts])
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model, tokenizer
+
+
+def test_sdpo_teacher_with_demonstration_prefers_the_demonstrated_tokens(tmp_path: Path) -> None:
+    model, tokenizer = _train_copy_model()
+    config = _config(
+        tmp_path,
+        sdpo_teacher="live",
+        sdpo_reprompt_template="{prompt}{solution}{feedback}>",
+        sdpo_solution_template="#{successful_previous_attempt}",
+        sdpo_feedback_template="!{feedback_raw}",
+        sdpo_top_k=None,
+        sdpo_alpha=1.0,
+        grpo_weight=0.0,
+    )
+    trainer = ComposerReplicationTrainer(
+        model=model,
+        reward_funcs=half_success,
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": "abc:"}] * 4),
+        processing_class=tokenizer,
+    )
+    prompts, demo = ["bad:", "bad:", "cab:", "cab:"], ["hgfe", "hgfe", "effe", "effe"]
+    trainer._capture = (prompts, demo, torch.ones(4, 1))  # every rollout succeeded: each peer is a demo
+    prompt_ids = torch.tensor([tokenizer(p)["input_ids"] for p in prompts])
+    completion_ids = torch.tensor([tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in demo])
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": torch.ones_like(completion_ids),
+    }
+    trainer.model.train()
+    batch.update(trainer._teacher_inputs(batch))
+    decoded = tokenizer.batch_decode(batch["sdpo_teacher_prompt_ids"], skip_special_tokens=True)
+    assert decoded == ["bad:#hgfe>", "bad:#hgfe>", "cab:#effe>", "cab:#effe>"]
+
+    def logprob_of_demo(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = response_logits(model, ids, mask, completion_ids, batch["completion_mask"])
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+        return lp[:, :4].mean()  # the four demonstrated characters
+
+    student = logprob_of_demo(batch["prompt_ids"], batch["prompt_mask"])
+    teacher = logprob_of_demo(batch["sdpo_teacher_prompt_ids"], batch["sdpo_teacher_prompt_mask"])
+    assert teacher > student + 0.5, (float(teacher), float(student))
+
+    # and one SGD step on the SDPO loss moves the student toward the demonstration
+    loss = trainer.sdpo_channel_loss(model, batch)
+    assert loss is not None and float(loss) > 0
+    loss.backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.grad is not None:
+                param -= 0.5 * param.grad
+    assert logprob_of_demo(batch["prompt_ids"], batch["prompt_mask"]) > student

@@ -1,0 +1,650 @@
+"""`ObjectStoreAllReduce`: allreduce through nothing but an object store.
+
+Protocol of one round ``r`` (keys in :mod:`crf_diloco.layout`, wire format in :mod:`crf_diloco.wire`):
+
+1. **Announce.** Each replica creates ``members/{rank}.json`` (incarnation nonce, payload spec).
+2. **Quorum.** When every expected replica has announced, or the quorum deadline passes, any
+   replica creates ``quorum.json`` (first writer wins): the participants (sorted ranks), the shard
+   plan and a fresh round token. Expected = all ranks in the first round, afterwards the previous
+   round's participants and announcers, so survivors of a crash pay the quorum deadline once.
+   Late replicas are observers of the round: they contribute nothing but read the result.
+3. **Contribute.** Each participant creates ``data/{rank}.safetensors`` once (its whole payload).
+4. **Reduce-scatter.** The owner of shard ``k`` (``participants[k]``) range-reads slice ``k`` of
+   every payload, verifies its CRC, sums in fp32 in participant order (divides by the number of
+   participants for ``avg``), and creates ``reduced/{k}.safetensors``. If a shard is still missing
+   ``straggler_grace`` seconds into the data phase, any replica computes and creates it; the
+   inputs and summation order are fixed by the quorum, so duplicates are bit-identical.
+5. **All-gather.** Everyone reads and verifies the reduced shards.
+6. **Decide.** A replica that holds every verified shard creates ``decision.json`` with
+   ``commit``; a replica whose deadline passes, or that finds a corrupt or stale object, creates
+   it with ``abort``. First writer wins and every replica follows what it reads there, so no round
+   commits on one replica and aborts on another. Inputs are only written after a commit.
+
+Bytes per participant with ``m`` participants and payload ``S``: up ``S + S/m``, down
+``2·(m−1)/m·S`` (plus small headers), independent of the world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from crf_diloco.errors import (
+    AllReduceError,
+    CorruptObjectError,
+    RoundAbortedError,
+    RoundDesyncError,
+    RoundTimeoutError,
+)
+from crf_diloco.layout import LAYOUT_VERSION, RoundKeys, parse_round_dir, validate_name
+from crf_diloco.store import ObjectStore
+from crf_diloco.wire import (
+    CODECS,
+    Header,
+    ShardPlan,
+    decode_reduced,
+    encode_payload,
+    encode_reduced,
+    read_header,
+    read_payload_shard,
+)
+
+__all__ = ["ENV_RANK", "ENV_RUN_ID", "ENV_URI", "ENV_WORLD_SIZE", "ObjectStoreAllReduce", "RoundInfo"]
+
+ENV_RANK = "CRF_DILOCO_RANK"
+ENV_WORLD_SIZE = "CRF_DILOCO_WORLD_SIZE"
+ENV_URI = "CRF_DILOCO_URI"
+ENV_RUN_ID = "CRF_DILOCO_RUN_ID"
+
+TensorOrList = TypeVar("TensorOrList", torch.Tensor, Sequence[torch.Tensor])
+Compression = Literal["bf16", "int8"]
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_UNSET: Any = object()
+
+
+@dataclass
+class RoundInfo:
+    """What this replica knows about the last round it took part in."""
+
+    round_id: int
+    outcome: Literal["commit", "abort", "passthrough"]
+    participants: list[int] = field(default_factory=list)
+    participated: bool = False
+    reason: str = ""
+
+
+class _Abort(Exception):
+    """Internal: this replica wants the round aborted (reason in args[0])."""
+
+
+class ObjectStoreAllReduce:
+    """Allreduce over an fsspec object store, one fenced round per :meth:`allreduce` call.
+
+    Args:
+        uri: fsspec URI of the rendezvous prefix: a bare path, ``file://``, ``memory://``,
+            ``s3://``, ``gs://``, ``az://``, ``hf://``… Local directories are created at once.
+        rank: this replica's rank, ``0 <= rank < world_size``.
+        world_size: number of replicas launched; ``1`` passes through without any I/O.
+        run_id: name of the run under ``uri`` (a plain name; anything that could escape is rejected).
+        timeout: seconds each wait of the data phase may take before the round aborts.
+        quorum_timeout: seconds to wait for expected replicas to announce (default: ``timeout``).
+        compression: ``None`` (fp32 on the wire), ``"bf16"`` or ``"int8"`` (row-wise scales).
+            The reduction itself is always fp32.
+        storage_options: fsspec options (e.g. ``{"endpoint_url": ...}``, credentials).
+        min_participants: a quorum with fewer participants aborts the round.
+        poll_interval: longest sleep between two polls of the store (seconds).
+        straggler_grace: seconds into the data phase after which any replica covers a missing
+            reduced shard (default ``timeout / 3``).
+        keep_rounds: round directories older than this many rounds are deleted by the lowest
+            participant after each decision.
+        retries: extra attempts per store operation on transient errors.
+        preflight: if True, resolve the adapter and write/read/delete a probe object now.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        rank: int,
+        world_size: int,
+        *,
+        run_id: str = "default",
+        timeout: float = 60.0,
+        quorum_timeout: float | None = None,
+        compression: Compression | None = None,
+        storage_options: dict[str, Any] | None = None,
+        min_participants: int = 1,
+        poll_interval: float = 0.05,
+        straggler_grace: float | None = None,
+        keep_rounds: int = 2,
+        retries: int = 3,
+        preflight: bool = False,
+    ) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        for label, value in (("timeout", timeout), ("poll_interval", poll_interval)):
+            if not value > 0:
+                raise ValueError(f"{label} must be > 0 seconds, got {value!r}")
+        if quorum_timeout is not None and not quorum_timeout > 0:
+            raise ValueError(f"quorum_timeout must be > 0 seconds or None, got {quorum_timeout!r}")
+        if straggler_grace is not None and not straggler_grace > 0:
+            raise ValueError(f"straggler_grace must be > 0 seconds or None, got {straggler_grace!r}")
+        if compression not in (None, "bf16", "int8"):
+            raise ValueError(f"compression must be None, 'bf16' or 'int8', got {compression!r}")
+        if not 1 <= min_participants <= world_size:
+            raise ValueError(f"min_participants must be in [1, world_size={world_size}], got {min_participants!r}")
+        if keep_rounds < 1:
+            raise ValueError(f"keep_rounds must be >= 1, got {keep_rounds!r}")
+        self.uri = uri
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = validate_name(run_id, "run_id")
+        self.timeout = float(timeout)
+        self.quorum_timeout = float(quorum_timeout) if quorum_timeout is not None else self.timeout
+        self.compression: Compression | None = compression
+        self.min_participants = min_participants
+        self.poll_interval = float(poll_interval)
+        self.straggler_grace = float(straggler_grace) if straggler_grace is not None else self.timeout / 3
+        self.keep_rounds = keep_rounds
+        self.round_id = 0
+        self.incarnation = uuid.uuid4().hex
+        self.last_round: RoundInfo | None = None
+        self.store = ObjectStore(f"{uri.rstrip('/')}/{self.run_id}", storage_options, retries=retries)
+        self._joined = False
+        self._layout_ok = False
+        self._expected: set[int] | None = None
+        self._closed = False
+        if preflight:
+            self.preflight()
+
+    # -- construction helpers ---------------------------------------------------------------
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> ObjectStoreAllReduce:
+        """Build from ``CRF_DILOCO_URI``, ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE`` and
+        ``CRF_DILOCO_RUN_ID`` (optional, default ``"default"``); ``kwargs`` override or extend them."""
+        missing = [k for k in (ENV_URI, ENV_RANK, ENV_WORLD_SIZE) if k not in os.environ and k.lower() not in kwargs]
+        if missing:
+            raise KeyError(f"environment variables {missing} are not set; launch replicas with `crf-diloco launch`")
+        params: dict[str, Any] = {}
+        for env, name in ((ENV_RANK, "rank"), (ENV_WORLD_SIZE, "world_size")):
+            raw = os.environ.get(env)
+            if raw is not None:
+                try:
+                    params[name] = int(raw)
+                except ValueError as exc:
+                    raise ValueError(f"{env}={raw!r} is not an integer") from exc
+        if ENV_URI in os.environ:
+            params["uri"] = os.environ[ENV_URI]
+        if ENV_RUN_ID in os.environ:
+            params["run_id"] = os.environ[ENV_RUN_ID]
+        params.update(kwargs)
+        return cls(**params)
+
+    def preflight(self) -> None:
+        """Fail now, not at the first round, if the adapter is missing or the store unusable."""
+        if self.world_size > 1:
+            self.store.preflight()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.store.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.store.bytes_written
+
+    def close(self) -> None:
+        """Mark the instance closed; further rounds raise."""
+        self._closed = True
+
+    def __enter__(self) -> ObjectStoreAllReduce:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public round API ---------------------------------------------------------------------
+    def allreduce(
+        self,
+        tensors: TensorOrList,
+        op: Literal["avg", "sum"] = "avg",
+        *,
+        compression: Compression | None = _UNSET,
+        participate: bool = True,
+        name: str | None = None,
+    ) -> TensorOrList:
+        """Reduce ``tensors`` across replicas in place (one round) and return the same object.
+
+        Args:
+            tensors: one tensor or a sequence of tensors (fp32, fp16 or bf16, any shape, any
+                device; reduced as one flat fp32 payload).
+            op: ``"avg"`` (sum / number of participants) or ``"sum"``.
+            compression: override the instance's wire compression for this round.
+            participate: False to only read the round's result (a healing replica).
+            name: optional label; every replica of the round must pass the same one.
+
+        Raises:
+            RoundAbortedError, RoundTimeoutError, CorruptObjectError, RoundDesyncError (all
+            :class:`AllReduceError`): the round did not commit here; inputs are unchanged.
+        """
+        if self._closed:
+            raise AllReduceError("ObjectStoreAllReduce is closed")
+        tensor_list = _as_tensor_list(tensors)
+        if op not in ("avg", "sum"):
+            raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        codec = _codec(self.compression if compression is _UNSET else compression)
+        if name is not None:
+            validate_name(name, "name")
+        if self.world_size == 1:
+            self.last_round = RoundInfo(self.round_id, "passthrough", [self.rank], True)
+            self.round_id += 1
+            return tensors
+        self._join()
+        flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensor_list])
+        round_id = self.round_id
+        try:
+            result = self._run_round(round_id, flat, op, codec, participate, name)
+        finally:
+            self.round_id = round_id + 1
+        with torch.no_grad():
+            offset = 0
+            for t in tensor_list:
+                n = t.numel()
+                t.copy_(result[offset : offset + n].view(t.shape))
+                offset += n
+        return tensors
+
+    def abort(self, reason: str) -> None:
+        """Veto the next round: create its ``abort`` decision (every replica will see it) and skip it."""
+        if self.world_size == 1:
+            self.round_id += 1
+            return
+        self._join()
+        keys = RoundKeys(self.round_id)
+        try:
+            self._write_decision(keys, "abort", f"rank {self.rank}: {reason}", None)
+            self.last_round = RoundInfo(self.round_id, "abort", [], False, reason)
+        finally:
+            self.round_id += 1
+
+    def latest_committed_round(self) -> int | None:
+        """Highest round id whose decision in the store is ``commit`` (among retained rounds)."""
+        for r in sorted(self._round_ids(), reverse=True):
+            decision = self._read_json(RoundKeys(r).decision)
+            if decision is not None and decision.get("outcome") == "commit":
+                return r
+        return None
+
+    # -- round machinery ------------------------------------------------------------------------
+    def _round_ids(self) -> list[int]:
+        return sorted(r for r in (parse_round_dir(n) for n in self.store.list_names("")) if r is not None)
+
+    def frontier(self) -> int:
+        """The round replicas are in now: the newest round if undecided, else the one after it.
+
+        Also marks this instance as joined, so its next round starts there (and not earlier).
+        """
+        self._check_layout()
+        rounds = self._round_ids()
+        frontier = self.round_id
+        if rounds:
+            last = rounds[-1]
+            decided = self.store.exists(RoundKeys(last).decision)
+            frontier = max(frontier, last + 1 if decided else last)
+        self._joined = True
+        return frontier
+
+    def _join(self) -> None:
+        """First round of this instance: check the layout version and skip decided rounds."""
+        if not self._joined:
+            self.round_id = self.frontier()
+
+    def _check_layout(self) -> None:
+        if self._layout_ok:
+            return
+        marker = json.dumps({"layout": "crf-diloco", "version": LAYOUT_VERSION}).encode()
+        if not self.store.put_create("LAYOUT", marker):
+            found = self._read_json("LAYOUT")
+            if not found or found.get("version") != LAYOUT_VERSION:
+                raise AllReduceError(
+                    f"{self.store.uri!r} holds a crf-diloco layout {found!r}; this version writes layout "
+                    f"{LAYOUT_VERSION}. Use a new run_id or a matching crf-diloco version."
+                )
+        self._layout_ok = True
+
+    def _read_json(self, key: str) -> dict[str, Any] | None:
+        blob = self.store.try_get(key)
+        if blob is None:
+            return None
+        try:
+            obj = json.loads(blob)
+        except ValueError as exc:
+            raise CorruptObjectError(f"{key}: not valid JSON") from exc
+        if not isinstance(obj, dict):
+            raise CorruptObjectError(f"{key}: expected a JSON object")
+        return obj
+
+    def _sleep(self, attempt: int) -> None:
+        time.sleep(min(self.poll_interval, 0.002 * 1.5**attempt) * (0.75 + 0.5 * random.random()))
+
+    def _write_decision(self, keys: RoundKeys, outcome: str, reason: str, token: str | None) -> dict[str, Any]:
+        """Create the round's decision (first writer wins) and return the one that stands."""
+        record = {"outcome": outcome, "reason": reason, "by": self.rank, "round": keys.round_id, "token": token}
+        try:
+            self.store.put_create(keys.decision, json.dumps(record).encode())
+        except AllReduceError:
+            pass  # the read below decides whether anyone's decision stands
+        deadline = time.monotonic() + self.timeout
+        attempt = 0
+        while True:
+            try:
+                found = self._read_json(keys.decision)
+            except AllReduceError:
+                found = None
+            if found is not None:
+                return found
+            if time.monotonic() > deadline:
+                raise RoundTimeoutError(f"round {keys.round_id}: could neither write nor read its decision object")
+            self._sleep(attempt)
+            attempt += 1
+
+    def _check_decided(self, keys: RoundKeys) -> None:
+        decision = self._read_json(keys.decision)
+        if decision is not None and decision.get("outcome") == "abort":
+            raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.get('reason', '')}")
+
+    def _run_round(
+        self, round_id: int, flat: torch.Tensor, op: str, codec: str, participate: bool, name: str | None
+    ) -> torch.Tensor:
+        keys = RoundKeys(round_id)
+        spec = {"numel": flat.numel(), "codec": codec, "op": op, "name": name}
+        quorum: dict[str, Any] | None = None
+        try:
+            decision = self._read_json(keys.decision)
+            if decision is not None:
+                if decision.get("outcome") != "commit":
+                    raise RoundAbortedError(f"round {round_id} aborted: {decision.get('reason', '')}")
+                quorum = self._read_json(keys.quorum)
+                if quorum is None:
+                    raise CorruptObjectError(f"round {round_id} committed without a quorum record")
+                return self._follow_commit(keys, quorum, spec, decision)
+            stale_self = self._announce(keys, spec, participate)
+            quorum = self._await_quorum(keys, stale_self)
+            return self._data_phase(keys, quorum, flat, spec)
+        except RoundAbortedError:
+            self._finish(keys, quorum, "abort", "")
+            raise
+        except (RoundDesyncError, RoundTimeoutError):
+            raise
+        except (_Abort, AllReduceError) as exc:
+            # local trouble (deadline, corrupt/stale object, store errors): vote abort, follow the decision
+            reason = exc.args[0] if exc.args else repr(exc)
+            token = quorum.get("token") if quorum else None
+            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {reason}", token)
+            if decision.get("outcome") == "commit" and quorum is not None:
+                return self._follow_commit(keys, quorum, spec, decision)
+            self._finish(keys, quorum, "abort", str(decision.get("reason", "")))
+            raise RoundAbortedError(f"round {round_id} aborted: {decision.get('reason', '')}") from None
+
+    def _announce(self, keys: RoundKeys, spec: dict[str, Any], participate: bool) -> bool:
+        """Create this replica's member record. Returns True if a record of another incarnation of
+        this rank is already there (a stale round, or our own previous life)."""
+        record = {"rank": self.rank, "incarnation": self.incarnation, "spec": spec, "observer": not participate}
+        if self.store.put_create(keys.member(self.rank), json.dumps(record).encode()):
+            return False
+        existing = self._read_json(keys.member(self.rank))
+        return existing is None or existing.get("incarnation") != self.incarnation
+
+    def _await_quorum(self, keys: RoundKeys, stale_self: bool) -> dict[str, Any]:
+        deadline = time.monotonic() + self.quorum_timeout
+        members: dict[int, dict[str, Any]] = {}
+        attempt = 0
+        while True:
+            quorum = self._read_json(keys.quorum)
+            if quorum is not None:
+                return quorum
+            self._check_decided(keys)
+            if stale_self:
+                raise _Abort(f"round {keys.round_id} holds a member record of another incarnation of rank {self.rank}")
+            for entry in self.store.list_names(keys.members_dir):
+                rank = _rank_of(entry)
+                if rank is not None and rank not in members:
+                    record = self._read_json(f"{keys.members_dir}/{entry}")
+                    if record is not None:
+                        members[rank] = record
+            announced = {r for r, m in members.items() if not m.get("observer")}
+            expected = self._expected if self._expected is not None else set(range(self.world_size))
+            if expected <= announced or time.monotonic() > deadline:
+                self._propose_quorum(keys, members, announced)
+                continue
+            self._sleep(attempt)
+            attempt += 1
+
+    def _propose_quorum(self, keys: RoundKeys, members: dict[int, dict[str, Any]], announced: set[int]) -> None:
+        if len(announced) < self.min_participants:
+            raise _Abort(
+                f"only {len(announced)} replica(s) announced before the quorum deadline "
+                f"({self.quorum_timeout:.1f}s), min_participants={self.min_participants}"
+            )
+        participants = sorted(announced)
+        specs = {json.dumps(members[r]["spec"], sort_keys=True) for r in participants}
+        if len(specs) != 1:
+            detail = {r: members[r]["spec"] for r in participants}
+            raise _Abort(f"replicas disagree on the payload of round {keys.round_id}: {detail}")
+        spec = members[participants[0]]["spec"]
+        plan = ShardPlan.build(int(spec["numel"]), str(spec["codec"]), len(participants))
+        record = {
+            "round": keys.round_id,
+            "token": uuid.uuid4().hex,
+            "participants": participants,
+            "incarnations": {str(r): members[r]["incarnation"] for r in participants},
+            "spec": spec,
+            "plan": plan.to_json(),
+            "by": self.rank,
+        }
+        self.store.put_create(keys.quorum, json.dumps(record).encode())
+
+    def _data_phase(self, keys: RoundKeys, quorum: dict[str, Any], flat: torch.Tensor, spec: dict[str, Any]) -> torch.Tensor:
+        participants = [int(r) for r in quorum["participants"]]
+        plan = ShardPlan.from_json(quorum["plan"])
+        token = str(quorum["token"])
+        if quorum.get("spec") != spec:
+            raise _Abort(f"this replica's payload {spec} differs from the round's {quorum.get('spec')}")
+        start = time.monotonic()
+        deadline = start + self.timeout
+        mine = self.rank in participants
+        if mine and quorum["incarnations"].get(str(self.rank)) != self.incarnation:
+            if not self.store.exists(keys.data(self.rank)):
+                raise _Abort(f"round {keys.round_id} lists rank {self.rank} from an incarnation that is gone")
+            mine = False
+        local: dict[int, torch.Tensor] = {}
+        if mine:
+            meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
+            blob = encode_payload(flat, plan, meta)
+            if not self.store.put_create(keys.data(self.rank), blob):
+                header = read_header(self.store, keys.data(self.rank))
+                if header.metadata.get("token") != token:
+                    raise _Abort(f"{keys.data(self.rank)} exists from another round attempt")
+            del blob
+            shard = participants.index(self.rank)
+            local[shard] = self._reduce_shard(keys, quorum, plan, shard, deadline, own=flat)
+        result = self._gather(keys, quorum, plan, deadline, start, local, own=flat if mine else None)
+        decision = self._write_decision(keys, "commit", "", token)
+        if decision.get("outcome") != "commit":
+            raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.get('reason', '')}")
+        self._finish(keys, quorum, "commit", "")
+        return result
+
+    def _reduce_shard(
+        self,
+        keys: RoundKeys,
+        quorum: dict[str, Any],
+        plan: ShardPlan,
+        shard: int,
+        deadline: float,
+        own: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Sum shard ``shard`` over all participants in order, create its object, return its decoded values."""
+        participants = [int(r) for r in quorum["participants"]]
+        token = str(quorum["token"])
+        lo, hi = plan.elem_range(shard)
+        acc = torch.zeros(hi - lo, dtype=torch.float32)
+        for r in participants:
+            if r == self.rank and own is not None:
+                encoded = encode_reduced(own[lo:hi].contiguous(), plan, shard, {"token": token})[1]
+                acc += encoded
+                continue
+            header = self._await_header(keys, keys.data(r), token, deadline)
+            try:
+                acc += read_payload_shard(self.store, keys.data(r), header, plan, shard)
+            except CorruptObjectError as exc:
+                raise _Abort(str(exc)) from exc
+        if quorum["spec"]["op"] == "avg":
+            acc /= len(participants)
+        meta = {"token": token, "round": str(keys.round_id), "contributors": json.dumps(participants)}
+        blob, decoded = encode_reduced(acc, plan, shard, meta)
+        self.store.put_create(keys.reduced(shard), blob)
+        return decoded
+
+    def _await_header(self, keys: RoundKeys, key: str, token: str, deadline: float) -> Header:
+        attempt = 0
+        while True:
+            try:
+                header = read_header(self.store, key)
+            except FileNotFoundError:
+                header = None
+            except CorruptObjectError as exc:
+                raise _Abort(str(exc)) from exc
+            if header is not None:
+                if header.metadata.get("token") != token:
+                    raise _Abort(f"{key} belongs to another round attempt (stale object)")
+                return header
+            self._check_decided(keys)
+            if time.monotonic() > deadline:
+                raise _Abort(f"{key} did not appear within {self.timeout:.1f}s")
+            self._sleep(attempt)
+            attempt += 1
+
+    def _gather(
+        self,
+        keys: RoundKeys,
+        quorum: dict[str, Any],
+        plan: ShardPlan,
+        deadline: float,
+        start: float,
+        local: dict[int, torch.Tensor],
+        own: torch.Tensor | None,
+        cover: bool = True,
+    ) -> torch.Tensor:
+        token = str(quorum["token"])
+        shards = dict(local)
+        attempt = 0
+        while len(shards) < plan.n_shards:
+            for k in range(plan.n_shards):
+                if k in shards:
+                    continue
+                blob = self.store.try_get(keys.reduced(k))
+                if blob is None:
+                    continue
+                try:
+                    shards[k] = decode_reduced(blob, plan, k, keys.reduced(k), token)[0]
+                except CorruptObjectError as exc:
+                    raise _Abort(str(exc)) from exc
+            if len(shards) == plan.n_shards:
+                break
+            self._check_decided(keys)
+            now = time.monotonic()
+            if now > deadline:
+                missing = sorted(set(range(plan.n_shards)) - set(shards))
+                raise _Abort(f"reduced shards {missing} did not appear within {self.timeout:.1f}s")
+            if cover and now - start > self.straggler_grace:
+                k = min(set(range(plan.n_shards)) - set(shards))
+                shards[k] = self._reduce_shard(keys, quorum, plan, k, deadline, own)
+                continue
+            self._sleep(attempt)
+            attempt += 1
+        return torch.cat([shards[k] for k in range(plan.n_shards)])
+
+    def _follow_commit(
+        self, keys: RoundKeys, quorum: dict[str, Any], spec: dict[str, Any], decision: dict[str, Any]
+    ) -> torch.Tensor:
+        """The round committed: read its result (reduced shards are immutable and verified)."""
+        if quorum.get("spec") != spec:
+            raise AllReduceError(
+                f"round {keys.round_id} committed a payload {quorum.get('spec')} that differs from this replica's {spec}"
+            )
+        plan = ShardPlan.from_json(quorum["plan"])
+        now = time.monotonic()
+        try:
+            result = self._gather(keys, quorum, plan, now + self.timeout, now, {}, None, cover=False)
+        except (_Abort, AllReduceError) as exc:
+            self._finish(keys, quorum, "commit", "")
+            raise RoundDesyncError(
+                f"round {keys.round_id} committed but this replica could not read its result: {exc}"
+            ) from None
+        self._finish(keys, quorum, "commit", str(decision.get("reason", "")), participated=False)
+        return result
+
+    def _finish(
+        self,
+        keys: RoundKeys,
+        quorum: dict[str, Any] | None,
+        outcome: Literal["commit", "abort"],
+        reason: str,
+        participated: bool | None = None,
+    ) -> None:
+        participants = [int(r) for r in quorum["participants"]] if quorum else []
+        if participated is None:
+            participated = self.rank in participants
+        self.last_round = RoundInfo(keys.round_id, outcome, participants, participated, reason)
+        try:
+            names = self.store.list_names(keys.members_dir)
+        except AllReduceError:
+            names = []
+        announced = {r for r in (_rank_of(n) for n in names) if r is not None}
+        self._expected = (set(participants) | announced) or None
+        if participants and self.rank == min(participants) and keys.round_id >= self.keep_rounds:
+            self.store.remove_tree(RoundKeys(keys.round_id - self.keep_rounds).prefix)
+
+
+def _rank_of(entry: str) -> int | None:
+    stem = entry.rsplit("/", 1)[-1]
+    if not stem.endswith(".json"):
+        return None
+    try:
+        return int(stem[: -len(".json")])
+    except ValueError:
+        return None
+
+
+def _codec(compression: str | None) -> str:
+    codec = "fp32" if compression is None else compression
+    if codec not in CODECS or (codec == "fp32" and compression is not None):
+        raise ValueError(f"compression must be None, 'bf16' or 'int8', got {compression!r}")
+    return codec
+
+
+def _as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    tensor_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not tensor_list:
+        raise ValueError("allreduce needs at least one tensor")
+    for i, t in enumerate(tensor_list):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"tensors[{i}] has dtype {t.dtype}; ObjectStoreAllReduce reduces float32, float16 and "
+                "bfloat16 tensors (cast others first)"
+            )
+    if sum(t.numel() for t in tensor_list) == 0:
+        raise ValueError("allreduce needs at least one element across its tensors")
+    return tensor_list

@@ -1,0 +1,432 @@
+"""`MockManager`: the torchft ``Manager`` surface that ``torchft.local_sgd.DiLoCo`` uses, on an object store.
+
+torchft 0.2 ``DiLoCo`` (``torchft/local_sgd.py``) touches exactly these Manager members:
+``_use_async_quorum`` (attribute, must be False), ``register_state_dict_fn``,
+``disallow_state_dict_read``, ``allow_state_dict_read``, ``start_quorum``, ``current_step``,
+``allreduce(tensor, should_quantize=...)`` and ``should_commit``. torchft's own ``Manager.allreduce``
+and ``_ManagedWork`` additionally use ``errored``, ``report_error``, ``wrap_future``,
+``num_participants`` and ``is_participating``; they are provided too, as are ``rank``,
+``participating_rank``, ``batches_committed``, ``state_dict``/``load_state_dict`` and ``shutdown``.
+``tests/test_serverless_diloco_integration.py`` runs real ``DiLoCo`` against a proxy that fails on
+any member not listed here, so a torchft upgrade that needs more fails loudly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from crf_diloco.allreduce import ObjectStoreAllReduce
+from crf_diloco.checkpoint import dumps_state, loads_state
+from crf_diloco.errors import AllReduceError, HealError
+from crf_diloco.layout import parse_state_key, state_key
+
+__all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Manager members that torchft 0.2's DiLoCo (and its _StreamingDiLoCoFragment) touch.
+DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
+    "_use_async_quorum",
+    "allreduce",
+    "allow_state_dict_read",
+    "current_step",
+    "disallow_state_dict_read",
+    "register_state_dict_fn",
+    "should_commit",
+    "start_quorum",
+)
+_KEEP_STATES = 2
+
+
+class _FlushingFuture(torch.futures.Future):  # type: ignore[type-arg]
+    """A future that runs the pending object-store round when waited on."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        super().__init__()
+        self._flush = flush
+
+    def wait(self) -> Any:
+        self._flush()
+        return super().wait()
+
+    def value(self) -> Any:
+        self._flush()
+        return super().value()
+
+
+class ObjectStoreWork(dist._Work):
+    """Work handle returned by :meth:`MockManager.allreduce`, shaped like torchft's ``_ManagedWork``.
+
+    The tensor is reduced in place. Rounds are lazy: every tensor handed to ``allreduce`` since the
+    last flush travels in one object-store round, run by the first ``wait()`` (or
+    ``get_future().wait()``, or ``should_commit()``). ``wait()`` returns False instead of raising
+    and reports the error to the manager, so ``should_commit()`` votes False. ``get_future()``
+    completes with the tensor (unchanged on failure) and supports ``.then``.
+    """
+
+    def __init__(self, manager: MockManager, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self._manager = manager
+        self._tensor = tensor
+        self._ok: bool | None = None
+        self._future = _FlushingFuture(manager._flush_safely)
+
+    def _complete(self, ok: bool) -> None:
+        self._ok = ok
+        self._future.set_result(self._tensor)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._manager._flush_safely()
+        return bool(self._ok)
+
+    def is_completed(self) -> bool:
+        return self._ok is not None
+
+    def is_success(self) -> bool:
+        return bool(self._ok)
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def block_current_stream(self, timeout: timedelta | None = None) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:  # type: ignore[type-arg]
+        return self._future
+
+
+class _DoneWork(dist._Work):
+    """No-op work for ``allreduce`` after an error (torchft's ``_DummyWork``)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self._future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._future.set_result(tensor)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:  # type: ignore[type-arg]
+        return self._future
+
+
+class MockManager:
+    """Duck-typed ``torchft.Manager`` for ``torchft.local_sgd.DiLoCo``, backed by :class:`ObjectStoreAllReduce`.
+
+    Members DiLoCo touches: ``_use_async_quorum`` (False), ``register_state_dict_fn``,
+    ``allow_state_dict_read``, ``disallow_state_dict_read``, ``start_quorum``, ``current_step``,
+    ``allreduce(tensor, should_quantize=False, reduce_op=ReduceOp.AVG)`` and ``should_commit``.
+    Also: ``num_participants``, ``is_participating``, ``participating_rank``, ``rank``,
+    ``errored``, ``report_error``, ``wrap_future``, ``batches_committed``, ``state_dict``,
+    ``load_state_dict``, ``shutdown``.
+
+    Semantics:
+
+    * ``allreduce`` queues the tensor; all tensors queued before the next ``wait()`` /
+      ``should_commit()`` go in one round (one round per distinct ``(reduce_op, quantize)`` pair,
+      in call order). ``should_quantize=True`` uses int8 row-wise compression unless the
+      allreduce already compresses.
+    * ``should_commit()`` returns the round's decision, which is the same on every replica (one
+      decision object per round). It is False if this replica reported an error; then the round
+      is vetoed for everyone (an ``abort`` decision), like torchft's collective vote. It is False
+      if fewer than ``min_replica_size`` replicas took part. On True the step advances.
+    * Healing: the lowest participant of a committed round writes the global state (every
+      ``register_state_dict_fn`` state plus ``{"step", "batches_committed"}``) to
+      ``state/r{round}.safetensors`` right after the outer step; the others write it at their
+      next ``start_quorum()`` if it is missing. At ``start_quorum()`` a replica that is behind the
+      store's last committed round (restarted, late, or one that could not read a committed
+      result) loads that state and observes (does not contribute to) its next round.
+
+    Args:
+        allreduce: the replica's :class:`ObjectStoreAllReduce`.
+        min_replica_size: fewest participants for ``should_commit()`` to return True.
+        checkpoint: write post-commit states so that replicas can heal (default True).
+        heal_timeout: seconds to wait for the state of the last committed round (default: the
+            allreduce's ``timeout``).
+        use_async_quorum: must be False (DiLoCo requires a synchronous quorum).
+    """
+
+    def __init__(
+        self,
+        allreduce: ObjectStoreAllReduce,
+        *,
+        min_replica_size: int = 1,
+        checkpoint: bool = True,
+        heal_timeout: float | None = None,
+        use_async_quorum: bool = False,
+    ) -> None:
+        if not isinstance(allreduce, ObjectStoreAllReduce):
+            raise TypeError(f"allreduce must be an ObjectStoreAllReduce, got {type(allreduce).__name__}")
+        if use_async_quorum:
+            raise ValueError("MockManager only implements a synchronous quorum; DiLoCo requires use_async_quorum=False")
+        if not 1 <= min_replica_size <= allreduce.world_size:
+            raise ValueError(f"min_replica_size must be in [1, world_size={allreduce.world_size}], got {min_replica_size}")
+        if heal_timeout is not None and not heal_timeout > 0:
+            raise ValueError(f"heal_timeout must be > 0 seconds or None, got {heal_timeout!r}")
+        self._use_async_quorum = False
+        self._allreduce = allreduce
+        self._min_replica_size = min_replica_size
+        self._checkpoint = checkpoint
+        self._heal_timeout = heal_timeout if heal_timeout is not None else allreduce.timeout
+        self._step = 0
+        self._batches_committed = 0
+        self._errored: Exception | None = None
+        self._pending: list[tuple[torch.Tensor, ObjectStoreWork, str, str | None]] = []
+        self._rounds_ok: list[bool] = []
+        self._load_fns: dict[str, Callable[[Any], None]] = {}
+        self._save_fns: dict[str, Callable[[], Any]] = {}
+        self._state_dict_read_allowed = True
+        self._last_committed_round: int | None = None
+        self._checkpoint_due: int | None = None
+        self._observe_next = False
+        self._participants: list[int] = []
+
+    # -- identity / quorum -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This replica's rank among the launched replicas."""
+        return self._allreduce.rank
+
+    @property
+    def allreduce_backend(self) -> ObjectStoreAllReduce:
+        return self._allreduce
+
+    def num_participants(self) -> int:
+        """Participants of the last round (the launched world size before the first round)."""
+        return len(self._participants) if self._participants else self._allreduce.world_size
+
+    def is_participating(self) -> bool:
+        return not self._observe_next
+
+    def participating_rank(self) -> int | None:
+        """Index of this replica among the last round's participants, or None if it did not take part."""
+        if not self._participants:
+            return None if self._observe_next else self.rank
+        return self._participants.index(self.rank) if self.rank in self._participants else None
+
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
+        """Begin a sync: write a due checkpoint, clear errors, heal from the store if behind."""
+        self._write_checkpoint_if_due()
+        self._ensure_checkpoint()
+        self._errored = None
+        self._rounds_ok = []
+        if allow_heal:
+            self._maybe_heal()
+
+    def wait_quorum(self) -> None:
+        """No-op: the quorum is formed inside each object-store round."""
+
+    # -- state dict plumbing -------------------------------------------------------------------
+    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"state dict key must be a non-empty str, got {key!r}")
+        if key in self._load_fns or key == "torchft":
+            raise ValueError(f"state dict key {key!r} is already registered")
+        self._load_fns[key] = load_state_dict  # type: ignore[assignment]
+        self._save_fns[key] = state_dict
+
+    def allow_state_dict_read(self) -> None:
+        self._state_dict_read_allowed = True
+
+    def disallow_state_dict_read(self) -> None:
+        self._write_checkpoint_if_due()
+        self._state_dict_read_allowed = False
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        for key in ("step", "batches_committed"):
+            if key not in state_dict:
+                raise KeyError(f"manager state dict needs {key!r}, got keys {sorted(state_dict)}")
+        self._step = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    def current_step(self) -> int:
+        return self._step
+
+    def batches_committed(self) -> int:
+        return self._batches_committed
+
+    # -- errors --------------------------------------------------------------------------------
+    def report_error(self, e: Exception) -> None:
+        self._errored = e
+
+    def errored(self) -> Exception | None:
+        return self._errored
+
+    def wrap_future(self, fut: torch.futures.Future[T], default: T, timeout: timedelta | None = None) -> torch.futures.Future[T]:
+        """Chain a callback that turns an exception of ``fut`` into ``report_error`` plus ``default``."""
+
+        def callback(f: torch.futures.Future[T]) -> T:
+            try:
+                return f.value()
+            except Exception as e:
+                self.report_error(e)
+                return default
+
+        return fut.then(callback)
+
+    # -- allreduce / commit -------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> dist._Work:
+        """Queue ``tensor`` for the next round; returns a Work (reduced in place once waited on)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"allreduce expects a torch.Tensor, got {type(tensor).__name__}")
+        if reduce_op == ReduceOp.AVG:
+            if not torch.is_floating_point(tensor):
+                raise ValueError("average reduce op is only supported for floating point tensors")
+            op = "avg"
+        elif reduce_op == ReduceOp.SUM:
+            op = "sum"
+        else:
+            raise ValueError(f"reduce_op must be ReduceOp.AVG or ReduceOp.SUM, got {reduce_op}")
+        if self._errored is not None:
+            return _DoneWork(tensor)
+        compression = self._allreduce.compression or ("int8" if should_quantize else None)
+        work = ObjectStoreWork(self, tensor)
+        self._pending.append((tensor, work, op, compression))
+        return work
+
+    def _flush_safely(self) -> None:
+        try:
+            self._flush()
+        except Exception as e:  # never raise out of wait()
+            self.report_error(e)
+
+    def _flush(self) -> None:
+        """Run the queued tensors as object-store rounds (one per (op, compression) group, in order)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        groups: dict[tuple[str, str | None], list[tuple[torch.Tensor, ObjectStoreWork]]] = {}
+        for tensor, work, op, compression in pending:
+            groups.setdefault((op, compression), []).append((tensor, work))
+        for (op, compression), items in groups.items():
+            ok = False
+            try:
+                if self._errored is not None:
+                    self._allreduce.abort(f"replica reported an error: {self._errored!r}")
+                else:
+                    self._allreduce.allreduce(
+                        [t for t, _ in items],
+                        op,  # type: ignore[arg-type]
+                        compression=compression,  # type: ignore[arg-type]
+                        participate=not self._observe_next,
+                    )
+                    ok = True
+            except AllReduceError as e:
+                self.report_error(e)
+            finally:
+                info = self._allreduce.last_round
+                if info is not None and info.participants:
+                    self._participants = list(info.participants)
+                self._rounds_ok.append(ok)
+                for _, work in items:
+                    work._complete(ok)
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        """Finish pending rounds and return the (store-wide) decision of this sync."""
+        if self._errored is not None and not self._pending and not self._rounds_ok:
+            # an error before any allreduce: veto the round the others are in
+            self._allreduce.abort(f"replica reported an error: {self._errored!r}")
+            self._rounds_ok.append(False)
+        self._flush()
+        enough = self.num_participants() >= self._min_replica_size
+        ok = bool(self._rounds_ok) and all(self._rounds_ok) and self._errored is None and enough
+        info = self._allreduce.last_round
+        self._rounds_ok = []
+        if ok:
+            self._step += 1
+            self._batches_committed += self.num_participants()
+            self._observe_next = False
+            if info is not None:
+                self._last_committed_round = info.round_id
+                if self._checkpoint and info.participants and self.rank == min(info.participants):
+                    self._checkpoint_due = info.round_id
+        return ok
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Write a due checkpoint; the allreduce itself is left to its owner."""
+        self._write_checkpoint_if_due()
+
+    # -- checkpoints & healing -----------------------------------------------------------------
+    def _state(self, round_id: int) -> dict[str, Any]:
+        state: dict[str, Any] = {key: fn() for key, fn in self._save_fns.items()}
+        state["torchft"] = {**self.state_dict(), "round": round_id}
+        return state
+
+    def _write_state(self, round_id: int) -> None:
+        if not self._save_fns:
+            return
+        store = self._allreduce.store
+        store.put_create(state_key(round_id), dumps_state(self._state(round_id)))
+        rounds = sorted(r for r in (parse_state_key(n) for n in store.list_names("state")) if r is not None)
+        for old in rounds[:-_KEEP_STATES]:
+            store.remove_tree(state_key(old))
+
+    def _write_checkpoint_if_due(self) -> None:
+        if self._checkpoint_due is None:
+            return
+        round_id, self._checkpoint_due = self._checkpoint_due, None
+        try:
+            self._write_state(round_id)
+        except AllReduceError as e:
+            logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
+
+    def _ensure_checkpoint(self) -> None:
+        """Write the last committed state if its writer (the lowest participant) did not."""
+        r = self._last_committed_round
+        if not self._checkpoint or r is None or not self._save_fns:
+            return
+        try:
+            if not self._allreduce.store.exists(state_key(r)):
+                self._write_state(r)
+        except AllReduceError as e:
+            logger.warning("could not write the checkpoint of round %d: %s", r, e)
+
+    def _maybe_heal(self) -> None:
+        if self._allreduce.world_size == 1:
+            return
+        frontier = self._allreduce.frontier()
+        latest = self._allreduce.latest_committed_round()
+        if latest is None or latest == self._last_committed_round:
+            return
+        if not self._load_fns:
+            raise HealError(
+                f"rank {self.rank} is behind the store (last committed round {latest}) but no state is "
+                "registered to load; use MockManager with torchft DiLoCo (it registers its state)"
+            )
+        blob = self._await_state(latest)
+        state = loads_state(blob)
+        for key, load_fn in self._load_fns.items():
+            if key not in state:
+                raise HealError(f"checkpoint of round {latest} has no state for {key!r} (has {sorted(state)})")
+            load_fn(state[key])
+        self.load_state_dict(state["torchft"])
+        self._last_committed_round = latest
+        self._allreduce.round_id = frontier
+        self._observe_next = True
+        logger.info("rank %d healed from round %d (step %d)", self.rank, latest, self._step)
+
+    def _await_state(self, round_id: int) -> bytes:
+        deadline = time.monotonic() + self._heal_timeout
+        key = state_key(round_id)
+        while True:
+            blob = self._allreduce.store.try_get(key)
+            if blob is not None:
+                return blob
+            if time.monotonic() > deadline:
+                raise HealError(
+                    f"rank {self.rank} is behind but the state of committed round {round_id} ({key}) did not "
+                    f"appear within {self._heal_timeout:.1f}s"
+                )
+            time.sleep(self._allreduce.poll_interval)

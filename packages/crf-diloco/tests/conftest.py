@@ -1,0 +1,177 @@
+"""Shared fixtures for crf-diloco's tests: replica threads, a moto S3 server, fault-injecting stores."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.registry import register_implementation
+
+ReplicaFn = Callable[[int], Any]
+
+
+def _run_replicas(fn: ReplicaFn, world_size: int, timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(rank)`` for every rank in its own thread; return results, re-raise the first error."""
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"a replica thread did not finish within {timeout}s")
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
+
+
+@pytest.fixture
+def run_replicas() -> Callable[..., list[Any]]:
+    """``run_replicas(fn, world_size, timeout=60)``: one thread per rank, results in rank order."""
+    return _run_replicas
+
+
+@pytest.fixture
+def memory_uri() -> Iterator[str]:
+    """A fresh ``memory://`` prefix, removed afterwards."""
+    name = f"crf-test-{uuid.uuid4().hex}"
+    yield f"memory://{name}"
+    fs = MemoryFileSystem()
+    if fs.exists(f"/{name}"):
+        fs.rm(f"/{name}", recursive=True)
+
+
+def make_tiny_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+@pytest.fixture
+def tiny_model() -> Callable[[dict[str, torch.Tensor] | None], torch.nn.Module]:
+    """``tiny_model(state)``: a small MLP, loaded from ``state`` when given (identical replicas)."""
+
+    def build(state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+        model = make_tiny_model()
+        if state is not None:
+            model.load_state_dict(state)
+        return model
+
+    return build
+
+
+# -- fault-injecting filesystems (registered fsspec protocols, each with its own store) ---------
+class FaultyMemoryFileSystem(MemoryFileSystem):
+    """A memory filesystem whose reads/writes can fail or be corrupted by registered rules.
+
+    ``rules`` is a list of ``(op, predicate(path) -> bool, action)``; ``op`` in ``{"read", "write"}``;
+    ``action`` is ``"oserror"`` (raise a transient ``OSError``), ``"flip"`` (flip a byte of the
+    bytes read) or a callable run before the operation. Each rule fires ``count`` times.
+    """
+
+    protocol = "crffaulty"
+    store: dict[str, Any] = {}
+    pseudo_dirs = [""]
+    rules: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        return str(super()._strip_protocol(str(path).removeprefix("crffaulty://")))
+
+    def _fire(self, op: str, path: str) -> str | None:
+        with self.lock:
+            for rule in self.rules:
+                if rule["op"] == op and rule["count"] > 0 and rule["match"](path):
+                    rule["count"] -= 1
+                    rule["fired"] += 1
+                    action = rule["action"]
+                    if callable(action):
+                        action(path)
+                        return None
+                    return str(action)
+        return None
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        action = self._fire("read", path)
+        if action == "oserror":
+            raise OSError(5, "injected transient read error", path)
+        data = super().cat_file(path, start=start, end=end, **kwargs)
+        if action == "flip" and data:
+            data = bytearray(data)
+            data[len(data) // 2] ^= 0xFF
+            return bytes(data)
+        return data
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        if self._fire("write", path) == "oserror":
+            raise OSError(5, "injected transient write error", path)
+        super().pipe_file(path, value, mode=mode, **kwargs)
+
+
+@pytest.fixture
+def faulty_store() -> Iterator[type[FaultyMemoryFileSystem]]:
+    """The ``crffaulty://`` filesystem class; add rules with ``add_rule``; cleared afterwards."""
+    register_implementation("crffaulty", FaultyMemoryFileSystem, clobber=True)
+    FaultyMemoryFileSystem.store.clear()
+    FaultyMemoryFileSystem.rules.clear()
+    yield FaultyMemoryFileSystem
+    FaultyMemoryFileSystem.store.clear()
+    FaultyMemoryFileSystem.rules.clear()
+
+
+def add_rule(op: str, match: Callable[[str], bool], action: Any, count: int = 1) -> dict[str, Any]:
+    rule = {"op": op, "match": match, "action": action, "count": count, "fired": 0}
+    FaultyMemoryFileSystem.rules.append(rule)
+    return rule
+
+
+@pytest.fixture
+def fault_rule() -> Callable[..., dict[str, Any]]:
+    """``fault_rule(op, match, action, count=1)``: register a fault on the ``crffaulty://`` store."""
+    return add_rule
+
+
+# -- moto S3 server ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def moto_s3() -> Iterator[dict[str, Any]]:
+    """A moto S3 server on 127.0.0.1 (free port) with one bucket; yields ``bucket`` and ``storage_options``."""
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        bucket = "crf-diloco-test"
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket=bucket)
+        options = {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+        yield {"bucket": bucket, "storage_options": options, "endpoint": endpoint}
+    finally:
+        server.stop()

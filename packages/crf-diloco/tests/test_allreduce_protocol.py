@@ -1,0 +1,326 @@
+"""ObjectStoreAllReduce: results against a float64 reference, layout, compression, bytes, validation."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+from crf_diloco import AllReduceError, ObjectStoreAllReduce
+from crf_diloco.errors import RoundAbortedError, StoreBackendMissingError
+from crf_diloco.wire import INT8_BLOCK
+
+RunReplicas = Callable[..., list[Any]]
+
+
+def _inputs(rank: int, round_id: int, shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + round_id)
+    return [(torch.randn(s, generator=g) * (1 + rank)).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_allreduce_matches_float64_reference_and_is_bit_identical(
+    world_size: int, op: str, memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    shapes = [(37,), (5, 11), (2, 3, 4)]
+
+    def replica(rank: int) -> list[list[torch.Tensor]]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, world_size, timeout=20)
+        out = []
+        for round_id in range(2):
+            ts = _inputs(rank, round_id, shapes)
+            ret = ar.allreduce(ts, op)  # type: ignore[arg-type]
+            assert ret is ts
+            out.append([t.clone() for t in ts])
+        assert ar.round_id == 2
+        return out
+
+    results = run_replicas(replica, world_size)
+    for round_id in range(2):
+        ref_inputs = [_inputs(r, round_id, shapes) for r in range(world_size)]
+        for i in range(len(shapes)):
+            expect = sum(x[i].double() for x in ref_inputs)
+            if op == "avg":
+                expect = expect / world_size
+            for r in range(world_size):
+                got = results[r][round_id][i]
+                assert torch.equal(got, results[0][round_id][i]), "replicas must hold bit-identical results"
+                torch.testing.assert_close(got.double(), expect, rtol=1e-6, atol=1e-6)
+
+
+def test_allreduce_single_tensor_low_precision_inputs_reduced_in_fp32(tmp_path: Any, run_replicas: RunReplicas) -> None:
+    def replica(rank: int) -> torch.Tensor:
+        t = _inputs(rank, 0, [(300,)], torch.bfloat16)[0]
+        ObjectStoreAllReduce(str(tmp_path), rank, 2, timeout=20).allreduce(t)
+        assert t.dtype == torch.bfloat16
+        return t
+
+    out = run_replicas(replica, 2)
+    expect = (_inputs(0, 0, [(300,)], torch.bfloat16)[0].float() + _inputs(1, 0, [(300,)], torch.bfloat16)[0].float()) / 2
+    assert torch.equal(out[0], expect.to(torch.bfloat16))
+    assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize(("compression", "tol_fn"), [("bf16", "bf16"), ("int8", "int8")])
+def test_compressed_allreduce_error_bounded(compression: str, tol_fn: str, memory_uri: str, run_replicas: RunReplicas) -> None:
+    world_size, n = 3, 5000
+
+    def replica(rank: int) -> torch.Tensor:
+        t = _inputs(rank, 0, [(n,)])[0]
+        ObjectStoreAllReduce(memory_uri, rank, world_size, timeout=20, compression=compression).allreduce(t)  # type: ignore[arg-type]
+        return t
+
+    out = run_replicas(replica, world_size)
+    xs = [_inputs(r, 0, [(n,)])[0].double() for r in range(world_size)]
+    exact = sum(xs) / world_size
+    assert all(torch.equal(o, out[0]) for o in out)
+    err = (out[0].double() - exact).abs()
+    if tol_fn == "bf16":
+        # each input and the reduced value are rounded once to bf16 (relative 2^-8 each)
+        bound = sum(x.abs() for x in xs) / world_size * 2**-8 + exact.abs() * 2**-8 + 1e-12
+    else:
+        # per block: input quantisation error <= s_i/2 with s_i = absmax/127, plus the re-quantised result
+        pad = (-n) % INT8_BLOCK
+
+        def block_absmax(v: torch.Tensor) -> torch.Tensor:
+            blocks = torch.cat([v.abs(), v.new_zeros(pad)]).view(-1, INT8_BLOCK).amax(dim=1)
+            return blocks.repeat_interleave(INT8_BLOCK)[:n]
+
+        inputs_err = sum(block_absmax(x) / 127 / 2 for x in xs) / world_size
+        bound = inputs_err + block_absmax(exact + inputs_err) / 127 / 2 + 1e-9
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert float(err.max()) > 0  # compression really happened
+
+
+def test_world_size_1_passthrough_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("world_size == 1 must not touch the store")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", boom)
+    ar = ObjectStoreAllReduce("s3://no-such-bucket/never", 0, 1)
+    t = torch.randn(7)
+    before = t.clone()
+    assert ar.allreduce(t) is t
+    assert torch.equal(t, before)
+    assert ar.round_id == 1
+    assert ar.bytes_read == ar.bytes_written == 0
+
+
+def test_file_uri_and_bare_path_create_directory(tmp_path: Any) -> None:
+    bare = tmp_path / "bare" / "nested"
+    ObjectStoreAllReduce(str(bare), 0, 2, run_id="run1")
+    assert (bare / "run1").is_dir()
+    uri_dir = tmp_path / "viauri"
+    ObjectStoreAllReduce(f"file://{uri_dir}", 1, 2)
+    assert (uri_dir / "default").is_dir()
+
+
+def test_store_layout_and_garbage_collection(tmp_path: Any, run_replicas: RunReplicas) -> None:
+    def replica(rank: int) -> None:
+        ar = ObjectStoreAllReduce(str(tmp_path), rank, 2, timeout=20, keep_rounds=2)
+        for i in range(5):
+            ar.allreduce(torch.full((10,), float(rank + i)))
+
+    run_replicas(replica, 2)
+    run = tmp_path / "default"
+    assert json.loads((run / "LAYOUT").read_text()) == {"layout": "crf-diloco", "version": 1}
+    rounds = sorted(p.name for p in run.iterdir() if p.name.startswith("r"))
+    assert rounds == ["r00000003", "r00000004"], "rounds older than keep_rounds are collected"
+    r4 = run / "r00000004"
+    assert json.loads((r4 / "decision.json").read_text())["outcome"] == "commit"
+    quorum = json.loads((r4 / "quorum.json").read_text())
+    assert quorum["participants"] == [0, 1]
+    assert sorted(p.name for p in (r4 / "data").iterdir()) == ["0.safetensors", "1.safetensors"]
+    assert sorted(p.name for p in (r4 / "reduced").iterdir()) == ["0.safetensors", "1.safetensors"]
+    assert not list(run.rglob(".tmp-*")), "temporary files are linked into place and removed"
+
+
+def test_wire_objects_are_safetensors_not_pickle(tmp_path: Any, run_replicas: RunReplicas) -> None:
+    from safetensors import safe_open
+
+    run_replicas(lambda r: ObjectStoreAllReduce(str(tmp_path), r, 2, timeout=20).allreduce(torch.ones(64) * r), 2)
+    obj = tmp_path / "default" / "r00000000" / "data" / "1.safetensors"
+    raw = obj.read_bytes()
+    assert b"\x80\x04" not in raw[:2] and not raw.startswith(b"PK")  # no pickle / torch.save zip
+    with safe_open(str(obj), framework="pt") as f:
+        meta = f.metadata()
+        assert meta["codec"] == "fp32" and meta["numel"] == "64"
+        assert len(json.loads(meta["crc"])) == 2
+        assert torch.equal(f.get_tensor("x"), torch.ones(64))
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_bytes_per_replica_independent_of_world_size(world_size: int, memory_uri: str, run_replicas: RunReplicas) -> None:
+    n = 1 << 18  # 1 MiB of fp32: headers are negligible
+
+    def replica(rank: int) -> tuple[int, int]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, world_size, timeout=60)
+        ar.allreduce(torch.randn(n))
+        return ar.bytes_read, ar.bytes_written
+
+    size = 4 * n
+    for read, written in run_replicas(replica, world_size):
+        total = (read + written) / size
+        assert total <= 3.2, total
+        # up S + S/m, down 2(m-1)/m S (+ headers)
+        assert written / size == pytest.approx(1 + 1 / world_size, abs=0.02)
+        assert read / size == pytest.approx(2 * (world_size - 1) / world_size, abs=0.1)
+
+
+def test_int8_cuts_bytes_to_under_0_3(memory_uri: str, run_replicas: RunReplicas) -> None:
+    n = 1 << 18
+
+    def replica(rank: int, compression: str | None) -> int:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 4, timeout=60, run_id=f"c{compression}", compression=compression)  # type: ignore[arg-type]
+        ar.allreduce(torch.randn(n))
+        return ar.bytes_read + ar.bytes_written
+
+    plain = run_replicas(lambda r: replica(r, None), 4)
+    int8 = run_replicas(lambda r: replica(r, "int8"), 4)
+    assert max(a / b for a, b in zip(int8, plain)) <= 0.3
+
+
+def test_round_id_increments_on_commit_and_abort(memory_uri: str, run_replicas: RunReplicas) -> None:
+    def replica(rank: int) -> list[int]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, timeout=20)
+        ids = [ar.round_id]
+        ar.allreduce(torch.ones(3))
+        ids.append(ar.round_id)
+        if rank == 0:
+            ar.abort("test veto")
+        else:
+            with pytest.raises(RoundAbortedError, match="test veto"):
+                ar.allreduce(torch.ones(3))
+        ids.append(ar.round_id)
+        ar.allreduce(torch.ones(3))
+        ids.append(ar.round_id)
+        return ids
+
+    assert run_replicas(replica, 2) == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_late_replica_observes_committed_round(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """A replica that arrives after the quorum formed reads the committed result (not a participant)."""
+    ar0 = ObjectStoreAllReduce(memory_uri, 0, 2, timeout=20, quorum_timeout=0.3)
+    t0 = torch.full((9,), 2.0)
+    ar0.allreduce(t0)
+    assert ar0.last_round is not None and ar0.last_round.participants == [0]
+    ar1 = ObjectStoreAllReduce(memory_uri, 1, 2, timeout=20)
+    ar1.round_id = 0
+    ar1._joined = True  # explicitly replay round 0 as a latecomer
+    t1 = torch.full((9,), 100.0)
+    ar1.allreduce(t1)
+    assert torch.equal(t1, t0)
+    assert ar1.last_round is not None and not ar1.last_round.participated
+
+
+def test_payload_mismatch_aborts_every_replica(memory_uri: str, run_replicas: RunReplicas) -> None:
+    def replica(rank: int) -> str:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, timeout=20)
+        t = torch.ones(4 if rank == 0 else 5)
+        before = t.clone()
+        with pytest.raises(RoundAbortedError) as info:
+            ar.allreduce(t)
+        assert torch.equal(t, before), "a failed round leaves the inputs unchanged"
+        return str(info.value)
+
+    messages = run_replicas(replica, 2)
+    assert all("disagree" in m or "differs" in m for m in messages)
+
+
+def test_min_participants_aborts_small_quorum(memory_uri: str) -> None:
+    ar = ObjectStoreAllReduce(memory_uri, 0, 3, timeout=5, quorum_timeout=0.2, min_participants=2)
+    with pytest.raises(RoundAbortedError, match="min_participants=2"):
+        ar.allreduce(torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rank": 2, "world_size": 2}, "rank must be"),
+        ({"rank": 0, "world_size": 0}, "world_size must be"),
+        ({"timeout": 0}, "timeout must be"),
+        ({"compression": "fp8"}, "compression must be"),
+        ({"run_id": "../escape"}, "could escape"),
+        ({"run_id": "a/b"}, "could escape"),
+        ({"run_id": ""}, "could escape"),
+        ({"min_participants": 3}, "min_participants"),
+    ],
+)
+def test_constructor_validation(kwargs: dict[str, Any], match: str, tmp_path: Any) -> None:
+    params: dict[str, Any] = {"uri": str(tmp_path), "rank": 0, "world_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ObjectStoreAllReduce(**params)
+
+
+def test_allreduce_input_validation(tmp_path: Any) -> None:
+    ar = ObjectStoreAllReduce(str(tmp_path), 0, 2)
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        ar.allreduce(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
+        ar.allreduce(torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="at least one tensor"):
+        ar.allreduce([])
+    with pytest.raises(ValueError, match="at least one element"):
+        ar.allreduce(torch.ones(0))
+    with pytest.raises(ValueError, match="op must be"):
+        ar.allreduce(torch.ones(3), "max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="could escape"):
+        ar.allreduce(torch.ones(3), name="../../etc")
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        ar.allreduce([torch.ones(2), "x"])  # type: ignore[list-item]
+    assert ar.round_id == 0 and ar.bytes_written == 0, "validation happens before any I/O"
+
+
+@pytest.mark.parametrize(("protocol", "package"), [("gs", "gcsfs"), ("az", "adlfs"), ("s3", "s3fs")])
+def test_missing_adapter_names_the_package(protocol: str, package: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = sys.modules["fsspec.registry"]._registry  # the module, not fsspec.registry (a mapping)
+    monkeypatch.setitem(sys.modules, package, None)  # import now fails like an uninstalled package
+    for proto in (protocol, "gcs", "abfs", "s3a"):
+        monkeypatch.delitem(registry, proto, raising=False)
+    ar = ObjectStoreAllReduce(f"{protocol}://bucket/prefix", 0, 2)  # lazy: constructing does not fail
+    with pytest.raises(StoreBackendMissingError, match=f"install `{package}`") as info:
+        ar.allreduce(torch.ones(2))
+    assert isinstance(info.value, ImportError) and isinstance(info.value, AllReduceError)
+    with pytest.raises(StoreBackendMissingError, match=package):
+        ObjectStoreAllReduce(f"{protocol}://bucket/prefix", 0, 2, preflight=True)
+
+
+def test_preflight_reports_unusable_store(tmp_path: Any) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    ar = ObjectStoreAllReduce("memory://preflight-ok", 0, 2, preflight=True)
+    assert ar.store.list_names(".preflight") == []  # the probe is removed
+    with pytest.raises((AllReduceError, OSError)):
+        ObjectStoreAllReduce(str(blocker / "sub"), 0, 2, preflight=True)
+
+
+def test_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("CRF_DILOCO_URI", str(tmp_path))
+    monkeypatch.setenv("CRF_DILOCO_RANK", "1")
+    monkeypatch.setenv("CRF_DILOCO_WORLD_SIZE", "3")
+    monkeypatch.setenv("CRF_DILOCO_RUN_ID", "exp7")
+    ar = ObjectStoreAllReduce.from_env(timeout=5.0)
+    assert (ar.rank, ar.world_size, ar.run_id, ar.timeout) == (1, 3, "exp7", 5.0)
+    assert (tmp_path / "exp7").is_dir()
+    monkeypatch.setenv("CRF_DILOCO_RANK", "one")
+    with pytest.raises(ValueError, match="CRF_DILOCO_RANK"):
+        ObjectStoreAllReduce.from_env()
+    monkeypatch.delenv("CRF_DILOCO_URI")
+    with pytest.raises(KeyError, match="CRF_DILOCO_URI"):
+        ObjectStoreAllReduce.from_env()
+
+
+def test_layout_version_mismatch_is_refused(tmp_path: Any) -> None:
+    run = tmp_path / "default"
+    run.mkdir()
+    (run / "LAYOUT").write_text(json.dumps({"layout": "crf-diloco", "version": 99}))
+    ar = ObjectStoreAllReduce(str(tmp_path), 0, 2, timeout=2)
+    with pytest.raises(AllReduceError, match="layout"):
+        ar.allreduce(torch.ones(2))

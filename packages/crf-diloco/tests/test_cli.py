@@ -1,0 +1,142 @@
+"""``crf-diloco launch`` / ``python -m crf_diloco launch``, run as a real command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from crf_diloco.cli import main
+
+BEHAVE = str(Path(__file__).parent / "replica_scripts" / "behave.py")
+
+
+def launch(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "crf_diloco", "launch", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def rank_lines(text: str, rank: int) -> list[str]:
+    prefix = f"[rank {rank}] "
+    return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_console_script_points_at_cli_main() -> None:
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "crf-diloco"]
+    assert script.value == "crf_diloco.cli:main"
+
+
+def test_cli_launch_streams_rank_prefixed_logs_and_exits_zero(tmp_path: Path) -> None:
+    proc = launch(
+        "--replicas", "2", "--uri", "store", "--run-id", "cli-run", "--env", "MY_FLAG=42",
+        BEHAVE, "--show-env", "MY_FLAG", "--lines", "2", "--replicas", "9",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        stdout = rank_lines(proc.stdout, rank)
+        record = json.loads(stdout[0])
+        assert record["rank"] == rank
+        assert record["world_size"] == 2
+        assert record["uri"] == str(tmp_path / "store")
+        assert record["run_id"] == "cli-run"
+        assert record["env"] == {"MY_FLAG": "42"}
+        assert record["extra_argv"] == ["--replicas", "9"]  # options after the script belong to the script
+        assert stdout[1:] == [f"line 0 of rank {rank}", f"line 1 of rank {rank}"]
+        assert rank_lines(proc.stderr, rank) == [f"stderr line of rank {rank}"]  # stderr stays on stderr
+    assert "crf-diloco: run cli-run: 2 of 2 replicas succeeded" in proc.stderr
+    assert "rank 0: ok after" in proc.stderr
+
+
+def test_cli_exits_nonzero_and_summarises_failed_replicas(tmp_path: Path) -> None:
+    proc = launch(
+        "--replicas", "3", "--uri", str(tmp_path),
+        BEHAVE, "--fail-rank", "1", "--fail-stderr", "loss is NaN", "--fail-exit", "3",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    summary = proc.stderr[proc.stderr.index("replicas succeeded") :]
+    assert "2 of 3 replicas succeeded" in proc.stderr
+    assert "rank 1: FAILED (exit code 3) after" in summary
+    assert "    | loss is NaN" in summary
+    assert "rank 0: ok" in summary
+    assert "rank 2: ok" in summary
+
+
+def test_cli_timeout_stops_replicas_and_fails(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = launch("--replicas", "1", "--uri", str(tmp_path), "--timeout", "1.5", BEHAVE, "--sleep", "60", cwd=tmp_path)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1
+    assert "rank 0: FAILED (timed out after 1.5 s; terminated (killed by signal SIGTERM))" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replicas", "0", "--uri", "x", BEHAVE], "expected a whole number >= 1"),
+        (["--replicas", "2", "--uri", "x", "missing.py"], "is not a file"),
+        (["--replicas", "2", "--uri", "x", "--run-id", "../up", BEHAVE], "could escape the store prefix"),
+        (["--replicas", "2", "--uri", "x", "--timeout", "-3", BEHAVE], "seconds > 0"),
+        (["--replicas", "2", "--uri", "x", "--env", "NOEQUALS", BEHAVE], "expected KEY=VALUE"),
+        (["--replicas", "2", "--uri", "x", "--env", "CRF_DILOCO_RANK=1", BEHAVE], "must not set"),
+        (["--replicas", "2", "--uri", "", BEHAVE], "uri must be a non-empty"),
+        (["--replicas", "2", BEHAVE], "--uri"),
+    ],
+)
+def test_cli_rejects_bad_arguments_with_status_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["launch", *args])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert message in err
+    assert "[rank" not in out  # nothing was started
+
+
+def test_cli_in_process_returns_the_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["launch", "--replicas", "2", "--uri", str(tmp_path), BEHAVE, "--fail-rank", "0", "--fail-exit", "4"])
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert "rank 0: FAILED (exit code 4)" in err
+    assert json.loads(rank_lines(out, 1)[0])["rank"] == 1
+
+
+def test_cli_sigterm_stops_every_replica(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "crf_diloco", "launch", "--replicas", "2", "--uri", str(tmp_path),
+         BEHAVE, "--pidfile-dir", str(pids), "--sleep", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        replica_pids = [int(p.read_text()) for p in sorted(pids.glob("*.pid"))]
+        assert len(replica_pids) == 2
+        cli.send_signal(signal.SIGTERM)
+        _, stderr = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 128 + signal.SIGTERM
+    assert "interrupted by SIGTERM; replicas stopped" in stderr
+    for pid in replica_pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped by the launcher, not left running or as a zombie

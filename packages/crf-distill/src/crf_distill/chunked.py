@@ -1,0 +1,284 @@
+"""Chunked fused-linear execution: ``lm_head`` matmul + loss without materialising ``(N, V)`` logits.
+
+Design after Liger-Kernel's chunked losses (``FlexChunkLoss``): inputs are last hidden states ``(N, H)``
+and the ``lm_head`` weight ``(V, H)`` (+ optional bias ``(V,)``); rows are processed ``chunk_size`` at a
+time so peak extra memory is about one ``(chunk, V)`` block (plus its float32 softmax temporaries), never
+``(N, V)``.
+
+* :func:`chunked_token_logprobs` — per-token log-probs of labels (for CE, DPO, SimPO, IS ratios). A custom
+  autograd function: forward keeps only the ``(N,)`` logsumexp; backward recomputes each chunk's logits
+  (``∂lp/∂z = onehot(y) − softmax(z)``). Output is an ordinary differentiable ``(N,)`` tensor.
+* :func:`chunked_distillation_loss` — any token-decomposable distillation loss (generalised JSD, KL,
+  TAID, Entropy-OPD: pass its ``*_per_token`` function). Gradients w.r.t. hidden states, weight and bias
+  are computed chunk by chunk *inside forward* (Liger style) and scaled by the upstream gradient in
+  backward, so the returned scalar must be used linearly (weighted sums are fine; double backward is not
+  supported).
+
+Normalisation: the distillation loss is ``Σ_rows ℓ_r·m_r / D`` with ``D = Σ m`` (token mean) unless
+``num_items`` is given, identical to :func:`crf_distill.aggregate` with ``mode="token_mean"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask
+
+__all__ = ["PerTokenLoss", "chunked_distillation_loss", "chunked_token_logprobs"]
+
+PerTokenLoss = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
+"""``fn(student_logits_chunk (n, V), teacher_logits_chunk (n, V), rows) -> (n,)``; ``rows`` indexes extras."""
+
+
+def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+    z = h.to(dtype) @ w.to(dtype).t()
+    return z if b is None else z + b.to(dtype)
+
+
+def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefix: str = "") -> None:
+    check_float_tensor(f"{prefix}hidden", hidden, ndim=2)
+    check_float_tensor(f"{prefix}weight", weight, ndim=2)
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"`{prefix}weight` must be (V, H={hidden.shape[1]}) like nn.Linear.weight of the lm_head, "
+            f"got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_float_tensor(f"{prefix}bias", bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"`{prefix}bias` must be (V={weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def _check_chunk(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        chunk_size: int,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        out = torch.empty(n, dtype=dtype, device=hidden.device)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(start + chunk_size, n))
+            z = _linear(hidden[rows], weight, bias)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            out[rows] = z.gather(-1, labels[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+            del z
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.chunk_size = chunk_size
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dtype = lse.dtype
+        grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
+        w32 = weight.to(dtype)
+        n = hidden.shape[0]
+        for start in range(0, n, ctx.chunk_size):
+            rows = slice(start, min(start + ctx.chunk_size, n))
+            h = hidden[rows].to(dtype)
+            z = _linear(h, weight, bias if ctx.has_bias else None)
+            g = grad_out[rows].to(dtype)
+            # ∂lp/∂z = onehot(y) − softmax(z); reuse z's storage for the gradient block.
+            z.sub_(lse[rows].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+            z.scatter_add_(-1, labels[rows].unsqueeze(-1), g.unsqueeze(-1))
+            if grad_h is not None:
+                grad_h[rows] = z @ w32
+            if grad_w is not None:
+                grad_w.addmm_(z.t(), h)
+            if grad_b is not None:
+                grad_b.add_(z.sum(0))
+            del z
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+        )
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    ignore_index: int | None = -100,
+) -> torch.Tensor:
+    """``log softmax(h W^T + b)[y]`` per row, chunked; equals ``token_logprobs(hidden @ weight.T + bias, labels)``.
+
+    Args:
+        hidden: ``(N, H)`` last hidden states (flatten ``(B, T, H)`` first).
+        weight: ``(V, H)`` lm_head weight; bias: optional ``(V,)``.
+        labels: ``(N,)`` ids in ``[0, V)``; ``ignore_index`` positions give 0 and no gradient.
+        chunk_size: rows per chunk.
+
+    Returns:
+        ``(N,)`` float32 (float64 for float64 hidden) log-probs, differentiable w.r.t. hidden/weight/bias.
+    """
+    _check_head(hidden, weight, bias)
+    _check_chunk(chunk_size)
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"`labels` must be a torch.Tensor of token ids, got {type(labels).__name__}")
+    ignored = labels == ignore_index if ignore_index is not None else torch.zeros_like(labels, dtype=torch.bool)
+    safe = torch.where(ignored, torch.zeros_like(labels), labels)
+    check_index_tensor("labels", safe, shape=hidden.shape[:1], upper=weight.shape[0])
+    lp = _ChunkedTokenLogprobs.apply(hidden, weight, bias, safe.long(), chunk_size)
+    return torch.where(ignored, torch.zeros((), dtype=lp.dtype, device=lp.device), lp)
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        teacher_logits_fn: Callable[[slice], torch.Tensor],
+        per_token_fn: PerTokenLoss,
+        row_weights: torch.Tensor,
+        chunk_size: int,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
+        w_leaf = weight.detach().requires_grad_(need_w)
+        b_leaf = None if bias is None else bias.detach().requires_grad_(need_b)
+        total = torch.zeros((), dtype=dtype, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(start + chunk_size, n))
+            w_rows = row_weights[rows].to(dtype)
+            if not bool((w_rows != 0).any()):
+                continue
+            with torch.no_grad():
+                teacher = teacher_logits_fn(rows)
+            h = hidden[rows].detach().requires_grad_(need_h)
+            with torch.enable_grad():
+                z = _linear(h, w_leaf, b_leaf)
+                per_token = per_token_fn(z, teacher, rows)
+                zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+                loss = (torch.where(w_rows != 0, per_token, zero) * w_rows).sum()
+                wrt = [x for x, need in ((h, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need and x is not None]
+                grads = list(torch.autograd.grad(loss, wrt)) if wrt and loss.requires_grad else []
+            total += loss.detach()
+            if grads and need_h and grad_h is not None:
+                grad_h[rows] = grads.pop(0).to(hidden.dtype)
+            if grads and need_w and grad_w is not None:
+                grad_w += grads.pop(0)
+            if grads and need_b and grad_b is not None:
+                grad_b += grads.pop(0)
+            del z, per_token, loss, teacher
+        ctx.save_for_backward(
+            *(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b)),
+        )
+        ctx.present = (grad_h is not None, grad_w is not None, grad_b is not None)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        result: list[torch.Tensor | None] = []
+        for grad, present, dtype in zip(saved, ctx.present, ctx.dtypes, strict=True):
+            result.append((grad * grad_out.to(grad.dtype)).to(dtype) if present and dtype is not None else None)
+        return (*result, None, None, None, None)
+
+
+def chunked_distillation_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    per_token_fn: PerTokenLoss,
+    mask: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    teacher_logits: torch.Tensor | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    num_items: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token-mean of ``per_token_fn`` over ``mask`` with the student lm_head fused in, chunk by chunk.
+
+    Args:
+        hidden: ``(N, H)`` student last hidden states (with grad). weight/bias: student lm_head.
+        per_token_fn: ``fn(student_logits (n, V), teacher_logits (n, V), rows) -> (n,)``, e.g.
+            ``lambda s, t, rows: generalized_jsd_per_token(s, t, alpha=0.5)``.
+        mask: ``(N,)`` token weights (1 on response tokens of samples with teacher signal).
+        teacher_logits: ``(N, V)`` precomputed teacher logits, **or** ``teacher_hidden`` ``(N, H_T)`` with
+            ``teacher_weight`` ``(V, H_T)`` (+ ``teacher_bias``), projected per chunk under ``no_grad``.
+        chunk_size: rows per chunk (Liger uses 1024).
+        num_items: denominator override (default ``mask.sum()``; an all-zero mask gives 0).
+
+    Returns:
+        0-d tensor equal to ``aggregate(per_token_fn(h W^T + b, teacher, :), mask, "token_mean")``.
+    """
+    _check_head(hidden, weight, bias)
+    _check_chunk(chunk_size)
+    n = hidden.shape[0]
+    check_mask("mask", mask, (n,))
+    if (teacher_logits is None) == (teacher_hidden is None):
+        raise ValueError("pass exactly one of `teacher_logits` (N, V) or `teacher_hidden` (N, H) + `teacher_weight`")
+    if teacher_logits is not None:
+        check_float_tensor("teacher_logits", teacher_logits, ndim=2)
+        if teacher_logits.shape != (n, weight.shape[0]):
+            raise ValueError(
+                f"`teacher_logits` must be (N={n}, V={weight.shape[0]}), got {tuple(teacher_logits.shape)}"
+            )
+        fixed = teacher_logits.detach()
+
+        def teacher_fn(rows: slice) -> torch.Tensor:
+            return fixed[rows]
+    else:
+        assert teacher_hidden is not None
+        if teacher_weight is None:
+            raise ValueError("`teacher_hidden` needs `teacher_weight` (the teacher lm_head weight, (V, H))")
+        _check_head(teacher_hidden, teacher_weight, teacher_bias, prefix="teacher_")
+        if teacher_hidden.shape[0] != n or teacher_weight.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"teacher rows/vocab ({teacher_hidden.shape[0]}, {teacher_weight.shape[0]}) must match the student's "
+                f"({n}, {weight.shape[0]})"
+            )
+        th, tw = teacher_hidden.detach(), teacher_weight.detach()
+        tb = None if teacher_bias is None else teacher_bias.detach()
+
+        def teacher_fn(rows: slice) -> torch.Tensor:
+            return _linear(th[rows], tw, tb)
+
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    weights = mask.to(dtype)
+    if num_items is None:
+        den = weights.sum()
+        den = torch.where(den > 0, den, torch.ones((), dtype=dtype, device=den.device))
+    else:
+        den = torch.as_tensor(num_items, dtype=dtype, device=hidden.device)
+        if den.dim() != 0 or not bool(den > 0):
+            raise ValueError(f"`num_items` must be a positive scalar, got {num_items!r}")
+    out: torch.Tensor = _ChunkedDistillation.apply(
+        hidden, weight, bias, teacher_fn, per_token_fn, weights / den, chunk_size
+    )
+    return out

@@ -1,0 +1,148 @@
+"""Base classes of the native text ops and the argument checks they share.
+
+A native op mirrors one data-juicer 1.6.1 op of the same name: same arguments, same defaults, same
+statistic and the same keep rule. Ops are stateless; a deduplicator returns a digest and the runner keeps
+the set of digests already seen.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import ClassVar, Literal
+
+OpKind = Literal["filter", "mapper", "deduplicator"]
+
+#: Keyword arguments every data-juicer op accepts that only steer its executor (parallelism, batching,
+#: hardware). The native backend accepts and ignores them so one recipe serves both backends.
+EXECUTOR_ONLY_ARGS: frozenset[str] = frozenset(
+    {"batch_size", "num_proc", "accelerator", "turbo", "cpu_required", "mem_required", "num_cpus", "memory"}
+)
+
+
+class RecipeError(ValueError):
+    """A recipe (or one op in it) is invalid; the message names the problem and the fix."""
+
+
+def check_number(op: str, name: str, value: object, *, minimum: float | None = None) -> float:
+    """Return ``value`` if it is a real, non-NaN number (not a bool) at least ``minimum``; else raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise RecipeError(f"{op}: {name} must be a number, got {value!r}; write e.g. `{name}: 0.5`.")
+    if minimum is not None and value < minimum:
+        raise RecipeError(f"{op}: {name} must be >= {minimum}, got {value!r}.")
+    return value
+
+
+def check_int(op: str, name: str, value: object, *, minimum: int) -> int:
+    """Return ``value`` if it is an int (not a bool) at least ``minimum``; else raise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RecipeError(f"{op}: {name} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def check_bool(op: str, name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool; else raise."""
+    if not isinstance(value, bool):
+        raise RecipeError(f"{op}: {name} must be true or false, got {value!r}.")
+    return value
+
+
+def check_no_tokenization(op: str, tokenization: object) -> None:
+    """Reject ``tokenization: true``: data-juicer then downloads a tokenizer model at run time."""
+    if check_bool(op, "tokenization", tokenization):
+        raise RecipeError(
+            f"{op}: tokenization: true needs a tokenizer model that data-juicer downloads at run time; the native "
+            "backend splits words on whitespace only. Set `tokenization: false` (the default)."
+        )
+
+
+class NativeOp(ABC):
+    """One recipe step applied to the flat string in ``text_key``."""
+
+    name: ClassVar[str]
+    kind: ClassVar[OpKind]
+
+    def __init__(self, *, text_key: str) -> None:
+        self.text_key = text_key
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(text_key={self.text_key!r})"
+
+
+class NativeFilter(NativeOp):
+    """Keep a record when ``stat(text)`` lies in ``[min, max]`` (data-juicer's ``Filter.get_keep_boolean``).
+
+    ``min_closed_interval`` / ``max_closed_interval`` switch each bound between ``>=``/``<=`` and ``>``/``<``;
+    ``reversed_range`` keeps the complement instead. As in data-juicer's code, both closures are flipped first,
+    so with the default closed bounds the reversed filter keeps ``value <= min or value >= max`` (data-juicer's
+    docstring says the open complement; parity follows its code).
+    """
+
+    kind: ClassVar[OpKind] = "filter"
+    #: data-juicer's ``StatsKeys`` name of the statistic (stats are cached under it per record).
+    stat_name: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        text_key: str,
+        low: float | None,
+        high: float | None,
+        min_closed_interval: bool = True,
+        max_closed_interval: bool = True,
+        reversed_range: bool = False,
+    ) -> None:
+        super().__init__(text_key=text_key)
+        check_bool(self.name, "min_closed_interval", min_closed_interval)
+        check_bool(self.name, "max_closed_interval", max_closed_interval)
+        check_bool(self.name, "reversed_range", reversed_range)
+        if low is not None and high is not None and low > high and not reversed_range:
+            raise RecipeError(
+                f"{self.name}: the lower bound {low!r} is above the upper bound {high!r}, so every record would be "
+                "dropped; swap them (or set reversed_range: true to keep values outside the range)."
+            )
+        self.low = low
+        self.high = high
+        self.reversed_range = reversed_range
+        self.min_closed = min_closed_interval != reversed_range
+        self.max_closed = max_closed_interval != reversed_range
+
+    @abstractmethod
+    def stat(self, text: str) -> float:
+        """The statistic data-juicer stores under :attr:`stat_name`."""
+
+    def keep_value(self, value: float) -> bool:
+        """Whether a record with statistic ``value`` is kept."""
+        keep = True
+        if self.low is not None:
+            keep = value >= self.low if self.min_closed else value > self.low
+        if keep and self.high is not None:
+            keep = value <= self.high if self.max_closed else value < self.high
+        return keep != self.reversed_range
+
+    def keep(self, text: str) -> bool:
+        """Whether a record whose ``text_key`` holds ``text`` is kept."""
+        return self.keep_value(self.stat(text))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(text_key={self.text_key!r}, low={self.low!r}, high={self.high!r})"
+
+
+class NativeMapper(NativeOp):
+    """Rewrite the string in ``text_key``."""
+
+    kind: ClassVar[OpKind] = "mapper"
+
+    @abstractmethod
+    def apply(self, text: str) -> str:
+        """The rewritten text."""
+
+
+class NativeDeduplicator(NativeOp):
+    """Drop a record whose digest was already seen among the records that reached this op."""
+
+    kind: ClassVar[OpKind] = "deduplicator"
+
+    @abstractmethod
+    def digest(self, text: str) -> bytes:
+        """The value two records must share to count as duplicates."""

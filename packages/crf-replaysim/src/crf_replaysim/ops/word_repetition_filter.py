@@ -1,0 +1,60 @@
+"""``word_repetition_filter``: keep records whose word n-gram repetition ratio is in range.
+
+Words are the refined, lower-cased words of ``words_num_filter`` (no tokeniser). With ``n = rep_len`` and
+``f_g`` the count of each distinct word n-gram ``g`` (``T = sum f_g``)::
+
+    word_rep_ratio = sum(f_g for f_g > 1) / T      (0.0 when there are fewer than n words)
+
+as data-juicer 1.6.1's ``WordRepetitionFilter`` with ``tokenization=False``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import ClassVar
+
+from crf_replaysim.ops._base import NativeFilter, RecipeError, check_int, check_no_tokenization, check_number
+from crf_replaysim.ops._text import refined_words
+
+
+class WordRepetitionFilter(NativeFilter):
+    """Word n-gram repetition ratio within ``[min_ratio, max_ratio]``."""
+
+    name: ClassVar[str] = "word_repetition_filter"
+    stat_name: ClassVar[str] = "word_rep_ratio"
+
+    def __init__(
+        self,
+        *,
+        text_key: str,
+        lang: str = "en",
+        tokenization: bool = False,
+        rep_len: int = 10,
+        min_ratio: float = 0.0,
+        max_ratio: float = 0.5,
+        min_closed_interval: bool = True,
+        max_closed_interval: bool = True,
+        reversed_range: bool = False,
+    ) -> None:
+        if not isinstance(lang, str):
+            raise RecipeError(f"{self.name}: lang must be a language code string such as 'en', got {lang!r}.")
+        check_no_tokenization(self.name, tokenization)
+        self.rep_len = check_int(self.name, "rep_len", rep_len, minimum=1)
+        super().__init__(
+            text_key=text_key,
+            low=check_number(self.name, "min_ratio", min_ratio),
+            high=check_number(self.name, "max_ratio", max_ratio),
+            min_closed_interval=min_closed_interval,
+            max_closed_interval=max_closed_interval,
+            reversed_range=reversed_range,
+        )
+
+    def stat(self, text: str) -> float:
+        words = refined_words(text, lower_case=True)
+        n = self.rep_len
+        total = len(words) - n + 1
+        if total <= 0:
+            return 0.0
+        # n-grams as tuples: words never contain a space, so tuples compare as data-juicer's " "-joined strings
+        counts = Counter(zip(*(words[i:] for i in range(n)), strict=False)).values()  # ragged on purpose
+        return sum(c for c in counts if c > 1) / total

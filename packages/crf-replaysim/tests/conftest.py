@@ -1,0 +1,228 @@
+"""Shared fixtures: a scripted OpenAI-compatible teacher on 127.0.0.1 and a secret API key.
+
+``ScriptedTeacher`` is a real HTTP server (``http.server`` in a thread). Each request takes the
+next entry of ``script`` if any, else asks ``responder(body)`` for the assistant message. A
+script entry is a dict with any of:
+
+- ``sleep``: seconds to wait before answering (interrupted when the server stops);
+- ``status`` (default 200), ``headers``;
+- ``json``: a body to send as JSON, or ``raw``: bytes sent as is, or ``message``: an assistant
+  message wrapped in a chat-completions body; ``echo_auth``: put the Authorization header in
+  the body (a misbehaving server, for redaction tests).
+
+The server records every request (path, headers, JSON body, arrival time) and the largest
+number of requests it was handling at once.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+KEY_ENV = "CRF_REPLAYSIM_TEST_KEY"
+
+
+def completion_body(message: dict[str, Any], model: str = "scripted-teacher") -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+    }
+
+
+def default_responder(body: dict[str, Any]) -> dict[str, Any]:
+    """A deterministic teacher: names how many messages it saw (never equal to a recorded action)."""
+    return {"role": "assistant", "content": f"teacher action after {len(body['messages'])} messages"}
+
+
+class ScriptedTeacher:
+    def __init__(self) -> None:
+        self.script: deque[dict[str, Any]] = deque()
+        self.responder: Callable[[dict[str, Any]], dict[str, Any] | dict[str, Any]] = default_responder
+        self.requests: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}/v1"
+
+    def start(self) -> ScriptedTeacher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def _next_entry(self, body: Any) -> dict[str, Any]:
+        with self._lock:
+            if self.script:
+                return self.script.popleft()
+        answer = self.responder(body)
+        if "status" in answer or "raw" in answer or "json" in answer or "sleep" in answer:
+            return answer  # the responder returned a script entry
+        return {"message": answer}
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        teacher = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
+                pass
+
+            def do_POST(self) -> None:
+                with teacher._lock:
+                    teacher.in_flight += 1
+                    teacher.max_in_flight = max(teacher.max_in_flight, teacher.in_flight)
+                try:
+                    self._answer()
+                finally:
+                    with teacher._lock:
+                        teacher.in_flight -= 1
+
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                raw = self.rfile.read(length)
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = None
+                with teacher._lock:
+                    teacher.requests.append(
+                        {"path": self.path, "headers": dict(self.headers.items()), "body": body, "t": time.monotonic()}
+                    )
+                if self.path != "/v1/chat/completions":
+                    self._send(404, b'{"error": {"message": "no such route"}}', {})
+                    return
+                entry = teacher._next_entry(body)
+                if entry.get("sleep"):
+                    teacher.stopping.wait(entry["sleep"])
+                status = entry.get("status", 200)
+                if "raw" in entry:
+                    payload = entry["raw"]
+                elif "json" in entry:
+                    payload = json.dumps(entry["json"]).encode()
+                elif "message" in entry:
+                    payload = json.dumps(completion_body(entry["message"])).encode()
+                else:
+                    payload = json.dumps({"error": {"message": f"scripted status {status}", "code": status}}).encode()
+                if entry.get("echo_auth"):
+                    payload += b" auth was: " + self.headers.get("Authorization", "").encode()
+                self._send(status, payload, entry.get("headers", {}))
+
+            def _send(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout test)
+
+        return Handler
+
+
+@pytest.fixture
+def teacher_server() -> Iterator[ScriptedTeacher]:
+    server = ScriptedTeacher().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def api_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A random secret in ``$CRF_REPLAYSIM_TEST_KEY``."""
+    key = "sk-or-test-" + secrets.token_hex(16)
+    monkeypatch.setenv(KEY_ENV, key)
+    return key
+
+
+@pytest.fixture
+def make_client(teacher_server: ScriptedTeacher, api_key: str) -> Callable[..., Any]:
+    """Build a ``TeacherClient`` pointed at the scripted server with fast retries."""
+    from crf_replaysim.teacher import TeacherClient
+
+    def make(**kwargs: Any) -> TeacherClient:
+        options: dict[str, Any] = {
+            "base_url": teacher_server.base_url,
+            "api_key_env": KEY_ENV,
+            "backoff_base_s": 0.01,
+            "backoff_max_s": 0.05,
+            "timeout_s": 5.0,
+            "seed": 0,
+        }
+        options.update(kwargs)
+        return TeacherClient(options.pop("model", "scripted-teacher"), **options)
+
+    return make
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    """Write rows (dicts are JSON-encoded, strings written verbatim) one per line."""
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+@pytest.fixture
+def jsonl_writer() -> Callable[[Path, list[Any]], Path]:
+    return write_jsonl
+
+
+def minimal_trace(trace_id: str = "t-1") -> dict[str, Any]:
+    """A two-decision trace: a tool call, its result, then a final answer."""
+    return {
+        "trace_id": trace_id,
+        "messages": [
+            {"role": "user", "content": "List the files."},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "run_command", "arguments": '{"command": "ls"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "a.py\nb.py"},
+            {"role": "assistant", "content": "There are two files: a.py and b.py."},
+        ],
+        "meta": {"agent_model": "student"},
+    }
+
+
+@pytest.fixture
+def trace_factory() -> Callable[[str], dict[str, Any]]:
+    return minimal_trace
