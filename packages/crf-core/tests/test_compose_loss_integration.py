@@ -400,3 +400,42 @@ def test_docstring_lists_every_inputs_key() -> None:
     assert {"input_ids", "completion_mask", "teacher_input_ids", "student_init_logits"} <= used
     missing = sorted(k for k in used if k not in doc)
     assert not missing, missing
+
+
+@pytest.mark.parametrize("anchor_key", ["student_init_logits", "student_init_input_ids"])
+def test_chunked_taid_anchors_match_unfused(tiny_causal_lm: Any, anchor_key: str) -> None:
+    inputs = make_inputs()
+    if anchor_key == "student_init_logits":
+        inputs[anchor_key] = torch.randn(B, T, VOCAB, generator=torch.Generator().manual_seed(3))
+    else:
+        inputs[anchor_key] = inputs["input_ids"]
+    kwargs = {"sdpo_wrapper": "taid", "taid_schedule_step": 1, "taid_total_steps": 4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        unfused = compose_loss(tiny_causal_lm, inputs, **kwargs)
+        fused = compose_loss(tiny_causal_lm, inputs, chunk_size=4, **kwargs)
+    assert torch.allclose(fused.sdpo_jsd, unfused.sdpo_jsd, atol=1e-6)
+    assert torch.allclose(fused.total, unfused.total, atol=1e-6)
+    # fused: the channel values are detached, the gradient lives in total (Liger-style fused losses)
+    assert not fused.lm_ce.requires_grad
+    assert not fused.sdpo_jsd.requires_grad
+    assert fused.total.requires_grad
+    assert fused.trace_replay_dpo.requires_grad
+
+
+def test_chunked_path_rejects_models_it_cannot_fuse(tiny_causal_lm: Any) -> None:
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs: Any) -> Any:
+            return self.inner(**kwargs)
+
+    inputs = make_inputs()
+    out = compose_loss(Wrapped(tiny_causal_lm), inputs)  # any module returning logits works unfused
+    assert torch.equal(out.total, compose_loss(tiny_causal_lm, inputs).total)
+    with pytest.raises(ValueError, match="chunk_size=None"):
+        compose_loss(Wrapped(tiny_causal_lm), inputs, chunk_size=8)
+    with pytest.raises(ValueError, match="chunk_size"):
+        compose_loss(tiny_causal_lm, inputs, chunk_size=0)

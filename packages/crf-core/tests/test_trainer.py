@@ -263,21 +263,26 @@ def test_missing_or_unused_pairs_fail_loudly(tmp_path: Path) -> None:
         ComposerReplicationTrainer(model=build_tiny_causal_lm(build_char_tokenizer()), reward_funcs=half_success)
 
 
-def _train_copy_model(steps: int = 250) -> tuple[Any, Any]:
-    """A tiny model trained on teacher-format strings ``P#D>D``: it learns to copy a demonstration D."""
+def _train_copy_model(steps: int = 60) -> tuple[Any, Any]:
+    """A tiny model briefly trained on teacher-format strings ``P#D>D`` to copy the demonstration D.
+
+    The loss is on the copied part only; after ~60 Adam steps the copy loss is ~0.005 nats/token.
+    """
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=1)
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=1)
     rng = random.Random(0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     eos = tokenizer.eos_token_id
     for _ in range(steps):
         texts = []
-        for _ in range(32):
-            p = "".join(rng.choice("abcd") for _ in range(3)) + ":"
-            d = "".join(rng.choice("efgh") for _ in range(4))
+        for _ in range(16):
+            p = "".join(rng.choice("abcd") for _ in range(2)) + ":"
+            d = "".join(rng.choice("efgh") for _ in range(3))
             texts.append(f"{p}#{d}>{d}")
         ids = torch.tensor([tokenizer(t)["input_ids"] + [eos] for t in texts])
-        loss = model(input_ids=ids, labels=ids).loss
+        labels = ids.clone()
+        labels[:, :-4] = -100  # train only the copied demonstration and EOS
+        loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -303,7 +308,7 @@ def test_sdpo_teacher_with_demonstration_prefers_the_demonstrated_tokens(tmp_pat
         train_dataset=Dataset.from_list([{"prompt": "abc:"}] * 4),
         processing_class=tokenizer,
     )
-    prompts, demo = ["bad:", "bad:", "cab:", "cab:"], ["hgfe", "hgfe", "effe", "effe"]
+    prompts, demo = ["ba:", "ba:", "cd:", "cd:"], ["hgf", "hgf", "efe", "efe"]
     trainer._capture = (prompts, demo, torch.ones(4, 1))  # every rollout succeeded: each peer is a demo
     prompt_ids = torch.tensor([tokenizer(p)["input_ids"] for p in prompts])
     completion_ids = torch.tensor([tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in demo])
@@ -316,24 +321,26 @@ def test_sdpo_teacher_with_demonstration_prefers_the_demonstrated_tokens(tmp_pat
     trainer.model.train()
     batch.update(trainer._teacher_inputs(batch))
     decoded = tokenizer.batch_decode(batch["sdpo_teacher_prompt_ids"], skip_special_tokens=True)
-    assert decoded == ["bad:#hgfe>", "bad:#hgfe>", "cab:#effe>", "cab:#effe>"]
+    assert decoded == ["ba:#hgf>", "ba:#hgf>", "cd:#efe>", "cd:#efe>"]
 
     def logprob_of_demo(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             logits = response_logits(model, ids, mask, completion_ids, batch["completion_mask"])
         lp = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-        return lp[:, :4].mean()  # the four demonstrated characters
+        return lp[:, :3].mean()  # the three demonstrated characters
 
     student = logprob_of_demo(batch["prompt_ids"], batch["prompt_mask"])
     teacher = logprob_of_demo(batch["sdpo_teacher_prompt_ids"], batch["sdpo_teacher_prompt_mask"])
     assert teacher > student + 0.5, (float(teacher), float(student))
 
-    # and one SGD step on the SDPO loss moves the student toward the demonstration
+    # and the SDPO gradient moves the student toward the demonstration: descending the loss raises
+    # the student's log-prob of the demonstrated tokens (negative directional derivative)
+    params = [p for p in model.parameters() if p.requires_grad]
     loss = trainer.sdpo_channel_loss(model, batch)
-    assert loss is not None and float(loss) > 0
-    loss.backward()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.grad is not None:
-                param -= 0.5 * param.grad
-    assert logprob_of_demo(batch["prompt_ids"], batch["prompt_mask"]) > student
+    assert loss is not None and float(loss.detach()) > 0
+    grad_loss = torch.autograd.grad(loss, params, allow_unused=True)
+    logits = response_logits(model, batch["prompt_ids"], batch["prompt_mask"], completion_ids, batch["completion_mask"])
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)[:, :3].mean()
+    grad_lp = torch.autograd.grad(lp, params, allow_unused=True)
+    dot = sum((a * b).sum() for a, b in zip(grad_loss, grad_lp) if a is not None and b is not None)
+    assert float(dot) < 0

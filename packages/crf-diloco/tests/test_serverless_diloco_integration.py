@@ -56,8 +56,9 @@ def _train(
 ) -> nn.Module:
     """Plain DiLoCo loop: AdamW inner, SGD-Nesterov outer (DiLoCo paper's optimizers)."""
     inner = torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.1, betas=(0.9, 0.95))
-    outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=MOMENTUM, nesterov=True)
     parts: list[nn.Module] = [model] if fragments == 1 else [model[0], model[2]]  # type: ignore[index]
+    # one outer optimizer per fragment (a shared one would also step the other fragments' local grads)
+    outer = [torch.optim.SGD(p.parameters(), lr=OUTER_LR, momentum=MOMENTUM, nesterov=True) for p in parts]
     with DiLoCo(manager, parts, inner, outer, sync_every=sync_every, **diloco_kwargs):
         for step in range(inner_steps):
             before = manager.current_step()
@@ -222,7 +223,9 @@ def test_work_objects_behave_like_torchft(memory_uri: str, run_replicas: RunRepl
 def test_reported_error_vetoes_round_on_every_replica_and_keeps_pre_round_weights(
     memory_uri: str, run_replicas: RunReplicas, tiny_model: ModelFactory
 ) -> None:
-    """A replica that reports an error votes False; the round aborts everywhere; nobody moves."""
+    """A replica that reports an error between the quorum and the commit (here: during the one
+    overlapped inner step of ``fragment_sync_delay=1``) votes False; the round aborts on every
+    replica and nobody moves off the pre-round weights."""
     init = tiny_model().state_dict()
 
     def replica(rank: int) -> tuple[bool, list[torch.Tensor], list[torch.Tensor]]:
@@ -231,7 +234,7 @@ def test_reported_error_vetoes_round_on_every_replica_and_keeps_pre_round_weight
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         before = _params(model)
-        with DiLoCo(manager, [model], inner, outer, sync_every=2) as diloco:
+        with DiLoCo(manager, [model], inner, outer, sync_every=2, fragment_sync_delay=1) as diloco:
             for step in range(2):
                 if rank == 1 and step == 1:
                     manager.report_error(RuntimeError("injected: loss became NaN"))
@@ -379,6 +382,7 @@ def test_mockmanager_matches_torchft_manager_with_lighthouse(
             lighthouse_addr=lighthouse.address(),
             port=0,
             use_async_quorum=False,
+            init_sync=False,  # replicas start identical; no step-0 heal from a peer's mid-round weights
             timeout=timedelta(seconds=20),
             quorum_timeout=timedelta(seconds=20),
             connect_timeout=timedelta(seconds=20),

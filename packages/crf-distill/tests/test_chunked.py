@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from crf_distill import (
+    ChunkTerm,
     aggregate,
     chunked_distillation_loss,
+    chunked_fused_loss,
     chunked_token_logprobs,
     entropy_opd_per_token,
     generalized_jsd_per_token,
@@ -91,7 +93,7 @@ def test_chunked_distillation_matches_unchunked(gen, rand, name: str, teacher_as
         else {"teacher_logits": teacher_logits}
     )
     got = chunked_distillation_loss(hidden, weight, fn, mask, bias=b, chunk_size=4, **kwargs)
-    want = aggregate(fn(hidden @ weight.t() + b, teacher_logits, slice(None)), mask, "token_mean")
+    want = aggregate(fn(hidden @ weight.t() + b, teacher_logits, torch.arange(N)), mask, "token_mean")
     assert torch.allclose(got, want, atol=1e-12)
     _assert_grads(3.0 * got, 3.0 * want, [hidden, weight, b])
 
@@ -108,7 +110,7 @@ def test_chunked_distillation_row_extras_and_num_items(gen, rand) -> None:  # ty
         return generalized_jsd_per_token(s, t, alpha=0.5) * is_ratio_weight(lp, old[rows], 2.0)
 
     got = chunked_distillation_loss(hidden, weight, clipped, mask, teacher_logits=teacher, chunk_size=6, num_items=40.0)
-    want = aggregate(clipped(hidden @ weight.t(), teacher, slice(None)), mask, "token_mean", num_items=40.0)
+    want = aggregate(clipped(hidden @ weight.t(), teacher, torch.arange(N)), mask, "token_mean", num_items=40.0)
     assert torch.allclose(got, want, atol=1e-12)
     _assert_grads(got, want, [hidden, weight])
 
@@ -142,3 +144,36 @@ def test_chunked_errors(gen, rand) -> None:  # type: ignore[no-untyped-def]
         chunked_distillation_loss(hidden, weight, PER_TOKEN["jsd"], torch.ones(N), teacher_hidden=hidden)
     with pytest.raises(ValueError, match="teacher_logits"):
         chunked_distillation_loss(hidden, weight, PER_TOKEN["jsd"], torch.ones(N), teacher_logits=torch.ones(N, V + 1))
+
+
+def test_chunked_fused_loss_shares_one_pass_between_terms(gen, rand) -> None:  # type: ignore[no-untyped-def]
+    hidden, weight, b = _head(gen, rand)
+    teacher = rand(gen, N, V)
+    labels = torch.randint(0, V, (N,), generator=gen)
+    ce_mask = (torch.rand(N, generator=gen) > 0.2).double()
+    kd_mask = torch.zeros(N, dtype=torch.float64)
+    kd_mask[10:20] = 1.0  # the distillation term only covers some rows: the teacher is only needed there
+    calls: list[int] = []
+
+    def teacher_fn(rows):  # type: ignore[no-untyped-def]
+        calls.extend(rows.tolist())
+        return teacher[rows]
+
+    terms = [
+        ChunkTerm(lambda s, t, rows: -token_logprobs(s, labels[rows]), ce_mask / ce_mask.sum(), 0.5, False),
+        ChunkTerm(PER_TOKEN["jsd"], kd_mask / kd_mask.sum(), 2.0, True),
+    ]
+    total, values = chunked_fused_loss(hidden, weight, terms, bias=b, teacher_fn=teacher_fn, chunk_size=6)
+    assert sorted(calls) == list(range(10, 20))
+    logits = hidden @ weight.t() + b
+    ce = aggregate(-token_logprobs(logits, labels), ce_mask, "token_mean")
+    kd = aggregate(generalized_jsd_per_token(logits, teacher, alpha=0.5), kd_mask, "token_mean")
+    assert torch.allclose(values[0], ce, atol=1e-12)
+    assert torch.allclose(values[1], kd, atol=1e-12)
+    assert not values[0].requires_grad
+    assert torch.allclose(total, 0.5 * ce + 2.0 * kd, atol=1e-12)
+    _assert_grads(total, 0.5 * ce + 2.0 * kd, [hidden, weight, b])
+    with pytest.raises(ValueError, match="needs the teacher"):
+        chunked_fused_loss(hidden, weight, terms)
+    with pytest.raises(ValueError, match="only one teacher"):
+        chunked_fused_loss(hidden, weight, terms, teacher_fn=teacher_fn, teacher_logits=teacher)

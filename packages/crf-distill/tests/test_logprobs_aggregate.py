@@ -94,3 +94,17 @@ def test_aggregate_num_items_and_errors(gen, rand) -> None:  # type: ignore[no-u
         aggregate(values[0], mask[0], "seq_mean")
     with pytest.raises(TypeError, match="floating"):
         aggregate(torch.ones(2, 3, dtype=torch.long), mask)
+
+
+def test_token_logprobs_errors(gen, rand) -> None:  # type: ignore[no-untyped-def]
+    logits = rand(gen, 2, 4, 9)
+    with pytest.raises(ValueError, match=r"shape \(2, 4\)"):
+        token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer"):
+        token_logprobs(logits, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"outside \[0, 9\)"):
+        token_logprobs(logits, torch.full((2, 4), 9))
+    with pytest.raises(ValueError, match="ignore_index"):
+        token_logprobs(logits, torch.full((2, 4), -100), ignore_index=None)
+    with pytest.raises(TypeError, match="floating"):
+        token_logprobs(torch.ones(2, 4, 9, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))

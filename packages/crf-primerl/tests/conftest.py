@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 
 import pytest
@@ -59,8 +60,13 @@ def make_sample() -> SampleFactory:
 
 @pytest.fixture
 def prime_rl_loss() -> object:
-    """PRIME-RL's own ``prime_rl.trainer.rl.loss`` module; skips only when ``prime_rl`` is not importable."""
+    """PRIME-RL's own ``prime_rl.trainer.rl.loss`` module; skips only when ``prime_rl`` is not importable.
+
+    With ``CRF_REQUIRE_PRIME_RL=1`` (the ``primerl_parity`` nox session) a missing prime-rl fails instead.
+    """
     if importlib.util.find_spec("prime_rl") is None:
+        if os.environ.get("CRF_REQUIRE_PRIME_RL") == "1":
+            pytest.fail("CRF_REQUIRE_PRIME_RL=1 but prime_rl is not importable: install the prime-rl checkout first")
         pytest.skip("prime_rl is not importable: install a prime-rl checkout (Python 3.12) to run upstream parity")
     import prime_rl.trainer.rl.loss as upstream  # a broken prime-rl install fails here instead of skipping
 

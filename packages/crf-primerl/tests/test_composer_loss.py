@@ -539,3 +539,17 @@ def test_cuda_matches_cpu(make_sample: Any) -> None:
     torch.testing.assert_close(grad_cuda, _grad(on_cpu.loss, cpu["trainer_logprobs"]), rtol=1e-5, atol=1e-6)
     for key, value in on_cpu.metrics.items():
         torch.testing.assert_close(on_cuda.metrics[key].cpu(), value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_all_zero_filler_teacher_is_skipped_by_teacher_channels(make_sample: Any) -> None:
+    # PRIME-RL (from 0be5ac4) fills ref_logprobs with 0.0 for samples without a reference in a mixed micro-batch.
+    sample = make_sample(seq=100, seed=4)
+    filler = torch.zeros(100, dtype=torch.float64)
+    filler[:5] = -1.0  # prompt positions do not count: only the loss mask decides
+    sample["ref_logprobs"] = filler
+    gated = loss_fn(_inputs(sample), teacher_tau=0.5, teacher_weight=1.0)
+    plain = loss_fn(_inputs({k: v for k, v in sample.items() if k != "ref_logprobs"}))
+    torch.testing.assert_close(gated.loss, plain.loss, rtol=0, atol=0)
+    # A real teacher on the same sample moves the loss.
+    sample["ref_logprobs"] = make_sample(seq=100, seed=4, teacher=True)["teacher_logprobs"]
+    assert not torch.equal(loss_fn(_inputs(sample), teacher_weight=1.0).loss, plain.loss)

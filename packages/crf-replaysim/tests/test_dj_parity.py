@@ -20,10 +20,12 @@ from crf_replaysim.normalize import DJNormalizer
 from crf_replaysim.ops import NATIVE_OPS
 from crf_replaysim.ops._text import SPECIAL_CHARACTERS
 
+OPS: dict[str, Any] = dict(NATIVE_OPS)  # name -> op class, typed loosely for per-op keyword arguments
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
-        importlib.util.find_spec("data_juicer") is None, reason="data-juicer is not importable (run the nox `dj` session)"
+        importlib.util.find_spec("data_juicer") is None,
+        reason="data-juicer is not importable (run the nox `dj` session)",
     ),
 ]
 
@@ -84,21 +86,21 @@ def test_special_characters_match_data_juicer() -> None:
     from data_juicer.ops.common.special_characters import VARIOUS_WHITESPACES
 
     assert {c for c in DJ_SPECIAL if len(c) == 1} == SPECIAL_CHARACTERS
-    ws = NATIVE_OPS["whitespace_normalization_mapper"](text_key="text")
-    assert {c for c in map(chr, range(0x10000)) if ws.apply("a" + c + "a") == "a a"} == VARIOUS_WHITESPACES  # type: ignore[attr-defined]
+    ws = OPS["whitespace_normalization_mapper"](text_key="text")
+    assert {c for c in map(chr, range(0x10000)) if ws.apply("a" + c + "a") == "a a"} == VARIOUS_WHITESPACES
 
 
 @pytest.mark.parametrize(("name", "args"), FILTER_CONFIGS, ids=[f"{n}-{a}" for n, a in FILTER_CONFIGS])
 def test_filter_statistics_equal_data_juicer(name: str, args: dict[str, Any], texts: list[str]) -> None:
     dj = _dj_op(name, **args)
-    native = NATIVE_OPS[name](text_key="text", **args)
+    native = OPS[name](text_key="text", **args)
     samples = dj.compute_stats_batched({"text": list(texts), "__dj__stats__": [{} for _ in texts]})
-    theirs = [stat[native.stat_name] for stat in samples["__dj__stats__"]]  # type: ignore[attr-defined]
-    ours = [native.stat(t) for t in texts]  # type: ignore[attr-defined]
+    theirs = [stat[native.stat_name] for stat in samples["__dj__stats__"]]
+    ours = [native.stat(t) for t in texts]
     mismatches = [(t, a, b) for t, a, b in zip(texts, ours, theirs, strict=True) if a != b]
     assert not mismatches, mismatches[:3]
     keep_theirs = list(dj.process_batched(samples))
-    assert [native.keep_value(v) for v in ours] == keep_theirs  # type: ignore[attr-defined]
+    assert [native.keep_value(v) for v in ours] == keep_theirs
 
 
 @pytest.mark.parametrize(
@@ -113,8 +115,8 @@ def test_filter_statistics_equal_data_juicer(name: str, args: dict[str, Any], te
 )
 def test_mapper_output_equals_data_juicer(name: str, args: dict[str, Any], texts: list[str]) -> None:
     theirs = _dj_op(name, **args).process_batched({"text": list(texts)})["text"]
-    native = NATIVE_OPS[name](text_key="text", **args)
-    assert [native.apply(t) for t in texts] == list(theirs)  # type: ignore[attr-defined]
+    native = OPS[name](text_key="text", **args)
+    assert [native.apply(t) for t in texts] == list(theirs)
 
 
 @pytest.mark.parametrize(
@@ -122,12 +124,25 @@ def test_mapper_output_equals_data_juicer(name: str, args: dict[str, Any], texts
 )
 def test_dedup_digest_equals_data_juicer(args: dict[str, Any], texts: list[str]) -> None:
     dj = _dj_op("document_deduplicator", **args)
-    native = NATIVE_OPS["document_deduplicator"](text_key="text", **args)
+    native = OPS["document_deduplicator"](text_key="text", **args)
     theirs = [dj.compute_hash({"text": t})["__dj__hash"] for t in texts]
-    assert [native.digest(t).hex() for t in texts] == theirs  # type: ignore[attr-defined]
+    assert [native.digest(t).hex() for t in texts] == theirs
 
 
 # --------------------------------------------------------------------------- executor level
+
+
+def test_data_juicer_backend_rejects_unknown_and_non_text_ops() -> None:
+    from crf_replaysim.ops import RecipeError
+
+    record = next(synthetic_dj_records(1))
+    typo = DJNormalizer(recipe={"process": [{"text_lenght_filter": {"text_key": "chosen"}}]}, backend="data-juicer")
+    with pytest.raises(RecipeError, match="no op of that name"):
+        list(typo.normalize([record]))
+    with pytest.raises(RecipeError, match="mapper 'whitespace_normalization_mapper' cannot rewrite"):
+        DJNormalizer(
+            recipe={"process": [{"whitespace_normalization_mapper": {"text_key": "pair"}}]}, backend="data-juicer"
+        )
 
 
 def _both_backends(recipe: dict[str, Any], records: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
@@ -190,7 +205,7 @@ def test_same_filter_on_two_fields_plain_data_juicer_misses_rejected_both_backen
     from data_juicer.config import get_init_configs
     from data_juicer.core import DefaultExecutor
 
-    special = NATIVE_OPS["special_characters_filter"](text_key="x")
+    special = OPS["special_characters_filter"](text_key="x")
     records = list(synthetic_dj_records(400, seed=23))
     recipe = {
         "text_keys": "chosen",
@@ -199,16 +214,20 @@ def test_same_filter_on_two_fields_plain_data_juicer_misses_rejected_both_backen
             {"special_characters_filter": {"text_key": "rejected", "max_ratio": 0.4}},
         ],
     }
-    over = {r["trace_id"] for r in records if special.stat(r["rejected"]) > 0.4}  # type: ignore[attr-defined]
+    over = {r["trace_id"] for r in records if special.stat(r["rejected"]) > 0.4}
     native, dj = _both_backends(recipe, records)
-    assert dj == native and over and not over & {r["trace_id"] for r in native}
+    assert dj == native
+    assert over
+    assert not over & {r["trace_id"] for r in native}
 
     # Plain data-juicer, one executor pass over the same recipe: the rejected-side filter does nothing.
     import tempfile
 
     with tempfile.TemporaryDirectory() as work:
         data = Path(work) / "in.jsonl"
-        data.write_text("".join(json.dumps({k: r[k] for k in ("trace_id", "chosen", "rejected")}) + "\n" for r in records))
+        data.write_text(
+            "".join(json.dumps({k: r[k] for k in ("trace_id", "chosen", "rejected")}) + "\n" for r in records)
+        )
         cfg = get_init_configs(
             {
                 **recipe,

@@ -25,6 +25,7 @@ from crf_replaysim.ops import NATIVE_OPS, RecipeError
 from crf_replaysim.ops._recipe import DEFAULT_RECIPE_PATH, load_recipe
 from crf_replaysim.records import DPOPair, RecordError, _dj_record_to_normalized_pair, _dpo_pair_to_dj_record
 
+OPS: dict[str, Any] = dict(NATIVE_OPS)  # name -> op class, typed loosely for per-op keyword arguments
 HAS_DJ = importlib.util.find_spec("data_juicer") is not None
 
 
@@ -80,7 +81,8 @@ def test_dj_normalizer_skip_dj_preserves_count(tmp_path: Path) -> None:
     assert written == records
     assert (summary.read, summary.kept, summary.dropped_per_op) == (7, 4, {})
     assert [number for number, _ in summary.malformed] == [3, 4, 7]
-    assert "invalid JSON" in summary.malformed[0][1] and summary.malformed[1][1] == "blank line"
+    assert "invalid JSON" in summary.malformed[0][1]
+    assert summary.malformed[1][1] == "blank line"
     assert "line 7" in summary.format()
 
 
@@ -89,7 +91,9 @@ def test_record_chosen_rejected_are_flat_strings_for_dj_text_ops() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": '{"cmd": "pytest -q"}'}}
     pair = DPOPair(
         prompt_messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "run the tests"}],
-        chosen_messages=[{"role": "assistant", "content": [{"type": "text", "text": "Running them."}], "tool_calls": [call]}],
+        chosen_messages=[
+            {"role": "assistant", "content": [{"type": "text", "text": "Running them."}], "tool_calls": [call]}
+        ],
         rejected_messages=[{"role": "assistant", "content": "No."}],
         trace_id="t-flat",
         turn=2,
@@ -111,7 +115,8 @@ def test_record_chosen_rejected_messages_carry_chat_shape() -> None:
     """``*_messages`` are chat lists; a mapper keeps them in step with the flat string and the round trip holds."""
     record = _pair("Mail bob@example.com or see https://example.org/x now", GOOD, prompt="ask alice@example.com")
     for key in ("prompt_messages", "chosen_messages", "rejected_messages"):
-        assert isinstance(record[key], list) and record[key]
+        assert isinstance(record[key], list)
+        assert record[key]
         assert all(isinstance(m, dict) and isinstance(m["role"], str) for m in record[key])
     recipe = {
         "text_keys": "chosen",
@@ -129,7 +134,8 @@ def test_record_chosen_rejected_messages_carry_chat_shape() -> None:
     assert out["rejected_messages"] == record["rejected_messages"]
     assert record["chosen"].startswith("Mail bob@")  # the input is not mutated
     normalized = _dj_record_to_normalized_pair(out)
-    assert normalized.chosen_messages == out["chosen_messages"] and normalized.chosen == out["chosen"]
+    assert normalized.chosen_messages == out["chosen_messages"]
+    assert normalized.chosen == out["chosen"]
 
 
 @pytest.mark.integration
@@ -144,7 +150,8 @@ def test_dj_normalizer_e2e_default_recipe(tmp_path: Path) -> None:
     dj = normalize_jsonl(src, tmp_path / "dj.jsonl", backend="data-juicer")
     native_rows = (tmp_path / "native.jsonl").read_text(encoding="utf-8")
     assert (tmp_path / "dj.jsonl").read_text(encoding="utf-8") == native_rows
-    assert dj.read == native.read == 401 and dj.malformed == native.malformed == [(401, dj.malformed[0][1])]
+    assert dj.read == native.read == 401
+    assert dj.malformed == native.malformed == [(401, dj.malformed[0][1])]
     assert 0 < dj.kept == native.kept < 400
     assert sum(dj.dropped_per_op.values()) == sum(native.dropped_per_op.values()) == 400 - dj.kept
     kept = [json.loads(line) for line in native_rows.splitlines()]
@@ -156,8 +163,8 @@ def test_dj_normalizer_e2e_default_recipe(tmp_path: Path) -> None:
 
 
 def _stat(name: str, text: str, **args: Any) -> float:
-    op = NATIVE_OPS[name](text_key="chosen", **args)
-    return op.stat(text)  # type: ignore[attr-defined,no-any-return]
+    op = OPS[name](text_key="chosen", **args)
+    return op.stat(text)
 
 
 @pytest.mark.parametrize(
@@ -187,7 +194,7 @@ def test_native_filter_statistics_by_hand(name: str, text: str, args: dict[str, 
 
 
 def test_native_filter_interval_closure_and_reversed_range() -> None:
-    op = NATIVE_OPS["text_length_filter"]
+    op = OPS["text_length_filter"]
     assert [op(text_key="chosen", min_len=2, max_len=4).keep(t) for t in ("a", "ab", "abcd", "abcde")] == [
         False,
         True,
@@ -203,18 +210,18 @@ def test_native_filter_interval_closure_and_reversed_range() -> None:
 
 
 def test_native_mappers_and_deduplicator_by_hand() -> None:
-    ws = NATIVE_OPS["whitespace_normalization_mapper"](text_key="chosen")
-    assert ws.apply("  a\tb\u2003c\u200bd\ne  ") == "a b c d\ne"  # type: ignore[attr-defined]
-    email = NATIVE_OPS["clean_email_mapper"](text_key="chosen", repl="<e>")
-    assert email.apply("to a.b+c@ex-ample.org, B@X.COM") == "to <e>, B@X.COM"  # type: ignore[attr-defined]
-    custom = NATIVE_OPS["clean_email_mapper"](text_key="chosen", pattern=r"r'\d+'", repl="#")
-    assert custom.apply("a1b22") == "a#b#"  # type: ignore[attr-defined]
-    links = NATIVE_OPS["clean_links_mapper"](text_key="chosen")
-    assert links.apply("see https://x.org/a_(b) and www.y.com, ok") == "see  and , ok"  # type: ignore[attr-defined]
-    dedup = NATIVE_OPS["document_deduplicator"](text_key="chosen", lowercase=True, ignore_non_character=True)
-    assert dedup.digest("Hello, World 42!") == dedup.digest("hello world")  # type: ignore[attr-defined]
-    exact = NATIVE_OPS["document_deduplicator"](text_key="chosen")
-    assert exact.digest(" same ") == exact.digest("same") != exact.digest("Same")  # type: ignore[attr-defined]
+    ws = OPS["whitespace_normalization_mapper"](text_key="chosen")
+    assert ws.apply("  a\tb\u2003c\u200bd\ne  ") == "a b c d\ne"
+    email = OPS["clean_email_mapper"](text_key="chosen", repl="<e>")
+    assert email.apply("to a.b+c@ex-ample.org, B@X.COM") == "to <e>, B@X.COM"
+    custom = OPS["clean_email_mapper"](text_key="chosen", pattern=r"r'\d+'", repl="#")
+    assert custom.apply("a1b22") == "a#b#"
+    links = OPS["clean_links_mapper"](text_key="chosen")
+    assert links.apply("see https://x.org/a_(b) and www.y.com, ok") == "see  and , ok"
+    dedup = OPS["document_deduplicator"](text_key="chosen", lowercase=True, ignore_non_character=True)
+    assert dedup.digest("Hello, World 42!") == dedup.digest("hello world")
+    exact = OPS["document_deduplicator"](text_key="chosen")
+    assert exact.digest(" same ") == exact.digest("same") != exact.digest("Same")
 
 
 # --------------------------------------------------------------------------- recipe checks
@@ -233,11 +240,20 @@ def test_native_mappers_and_deduplicator_by_hand() -> None:
         ({"process": [{"text_lenght_filter": {"text_key": "chosen"}}]}, "unknown op 'text_lenght_filter'"),
         ({"process": [{"text_length_filter": {"text_key": "chosen", "min_length": 3}}]}, "unknown argument"),
         ({"process": [{"words_num_filter": {"text_key": "chosen", "tokenization": True}}]}, "tokenization: false"),
-        ({"process": [{"special_characters_filter": {"text_key": "chosen", "min_ratio": 0.6, "max_ratio": 0.4}}]}, "every record would be dropped"),
+        (
+            {"process": [{"special_characters_filter": {"text_key": "chosen", "min_ratio": 0.6, "max_ratio": 0.4}}]},
+            "every record would be dropped",
+        ),
         ({"process": [{"special_characters_filter": {"text_key": "chosen", "max_ratio": "0.4"}}]}, "must be a number"),
-        ({"skip_op_error": True, "process": [{"text_length_filter": {"text_key": "chosen"}}]}, "skip_op_error must be false"),
+        (
+            {"skip_op_error": True, "process": [{"text_length_filter": {"text_key": "chosen"}}]},
+            "skip_op_error must be false",
+        ),
         ({"process": [{"clean_links_mapper": {"text_key": "pair"}}]}, "cannot rewrite the derived 'pair'"),
-        ({"process": [{"clean_email_mapper": {"text_key": "chosen", "pattern": "("}}]}, "not a valid regular expression"),
+        (
+            {"process": [{"clean_email_mapper": {"text_key": "chosen", "pattern": "("}}]},
+            "not a valid regular expression",
+        ),
         ({"process": []}, "non-empty list"),
         ({"process": [{"a": {}, "b": {}}]}, "one-key mapping"),
     ],
@@ -271,9 +287,12 @@ def test_recipe_from_yaml_file_and_constructor_arguments(tmp_path: Path) -> None
 
 def test_default_recipe_follows_both_rules() -> None:
     header = DEFAULT_RECIPE_PATH.read_text(encoding="utf-8")
-    assert "text_keys" in header and "text_key" in header and "_messages" in header
+    assert "text_keys" in header
+    assert "text_key" in header
+    assert "_messages" in header
     recipe = load_recipe(None)
-    assert recipe.settings["skip_op_error"] is False and recipe.settings["text_keys"] == "chosen"
+    assert recipe.settings["skip_op_error"] is False
+    assert recipe.settings["text_keys"] == "chosen"
     for name in ("text_length_filter", "words_num_filter", "special_characters_filter"):
         assert {s.text_key for s in recipe.steps if s.name == name} == {"chosen", "rejected"}
 
@@ -311,7 +330,10 @@ def test_pair_dedup_drops_exact_pairs_only_and_follows_mappers() -> None:
     normalizer = DJNormalizer(recipe=recipe)
     out = list(normalizer.normalize([a, b, a, spaced]))
     assert [r["prompt"] for r in out] == [a["prompt"], b["prompt"]]  # the copy of a and its tab variant go
-    assert normalizer.stats.dropped_per_op == {"whitespace_normalization_mapper(chosen)": 0, "document_deduplicator(pair)": 2}
+    assert normalizer.stats.dropped_per_op == {
+        "whitespace_normalization_mapper(chosen)": 0,
+        "document_deduplicator(pair)": 2,
+    }
 
 
 def test_normalize_streams_lazily() -> None:
@@ -354,13 +376,15 @@ def test_normalize_jsonl_summary_counts_each_op(tmp_path: Path) -> None:
         "words_num_filter(rejected)": 1,  # JUNK has no word left once special characters are stripped
         "document_deduplicator(pair)": 1,
     }
-    assert summary.malformed[0][0] == 5 and "lacks" in summary.malformed[0][1]
+    assert summary.malformed[0][0] == 5
+    assert "lacks" in summary.malformed[0][1]
     text = summary.format()
-    assert text.startswith("read 5, kept 1, dropped 3") and "document_deduplicator(pair): 1" in text
+    assert text.startswith("read 5, kept 1, dropped 3")
+    assert "document_deduplicator(pair): 1" in text
 
 
 def test_normalize_rejects_non_records_with_their_index() -> None:
-    with pytest.raises(RecordError, match="record 1: .*lacks"):
+    with pytest.raises(RecordError, match=r"record 1: .*lacks"):
         list(DJNormalizer().normalize([_pair(GOOD, GOOD), {"chosen": GOOD}]))
 
 
@@ -372,9 +396,11 @@ def test_default_recipe_on_synthetic_corpus_keeps_good_and_drops_junk() -> None:
     normalizer = DJNormalizer()
     kept = list(normalizer.normalize(_records_stream(2000)))
     stats = normalizer.stats
-    assert stats.read == 2000 and stats.kept == len(kept) and 0 < len(kept) < 2000
+    assert stats.read == 2000
+    assert stats.kept == len(kept)
+    assert 0 < len(kept) < 2000
     assert sum(stats.dropped_per_op.values()) == 2000 - len(kept)
-    special = NATIVE_OPS["special_characters_filter"](text_key="chosen")
-    assert all(special.stat(r[side]) <= 0.5 for r in kept for side in ("chosen", "rejected"))  # type: ignore[attr-defined]
+    special = OPS["special_characters_filter"](text_key="chosen")
+    assert all(special.stat(r[side]) <= 0.5 for r in kept for side in ("chosen", "rejected"))
     assert all(len(r["chosen"]) >= 10 and len(r["rejected"]) >= 10 for r in kept)
     assert stats.dropped_per_op["document_deduplicator(pair)"] > 0

@@ -24,10 +24,11 @@ import torch
 from crf_core._loss_inputs import get_float, get_ids, get_mask, logits_of
 from crf_distill import (
     DPO_LOSS_TYPES,
+    ChunkTerm,
     TAIDSchedule,
     aggregate,
     avg_sequence_logprob,
-    chunked_distillation_loss,
+    chunked_fused_loss,
     chunked_token_logprobs,
     dpo_loss,
     entropy_opd_per_token,
@@ -104,7 +105,7 @@ def _unit(name: str, value: float) -> float:
 
 
 class _Head:
-    """Runs the model and turns its states into log-probs/divergences, unfused (logits) or fused (chunked)."""
+    """Runs the model; unfused it yields ``(B, T, V)`` logits, fused (``chunk_size``) last hidden states."""
 
     def __init__(self, model: Any, chunk_size: int | None) -> None:
         self.model = model
@@ -138,9 +139,7 @@ class _Head:
         if self.fused:
             out = self.decoder(input_ids=ids, attention_mask=attention_mask)
             hidden = getattr(out, "last_hidden_state", None)
-            if hidden is None:
-                hidden = out[0]
-            return hidden
+            return out[0] if hidden is None else hidden
         return logits_of(self.model(input_ids=ids, attention_mask=attention_mask))
 
     def token_logprobs(self, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -158,46 +157,18 @@ class _Head:
         )
         return flat.reshape(labels.shape)
 
-    def logits(self, states: torch.Tensor) -> torch.Tensor:
-        """No-grad logits of ``states`` (identity on the unfused path)."""
-        if not self.fused:
+    def project(self, states: torch.Tensor, is_logits: bool) -> torch.Tensor:
+        """No-grad logits of ``states`` (identity when they already are logits)."""
+        if is_logits:
             return states
         with torch.no_grad():
             z = states.float() @ self.weight.float().t()
             return z if self.bias is None else z + self.bias.float()
 
-    def distill(
-        self,
-        student: torch.Tensor,
-        teacher: torch.Tensor,
-        teacher_is_logits: bool,
-        per_token: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor],
-        weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """Token mean of ``per_token`` over ``weights`` ``(B, C)``; student/teacher states ``(B, C, X)``."""
-        if not self.fused:
-            return aggregate(per_token(student, teacher, ...), weights, "token_mean")
-        assert self.chunk_size is not None
-        flat_teacher = teacher.reshape(-1, teacher.shape[-1])
-        return chunked_distillation_loss(
-            student.reshape(-1, student.shape[-1]),
-            self.weight,
-            per_token,
-            weights.reshape(-1),
-            bias=self.bias,
-            teacher_logits=flat_teacher if teacher_is_logits else None,
-            teacher_hidden=None if teacher_is_logits else flat_teacher,
-            teacher_weight=None if teacher_is_logits else self.weight,
-            teacher_bias=None if teacher_is_logits else self.bias,
-            chunk_size=self.chunk_size,
-        )
 
-
-def _lm_ce(head: _Head, states: torch.Tensor, inputs: Mapping[str, Any], ids: torch.Tensor) -> torch.Tensor:
-    attention = get_mask(inputs, "attention_mask", tuple(ids.shape), default=torch.ones_like(ids))
-    response = get_mask(inputs, "response_mask", tuple(ids.shape), default=attention)
-    lp = head.token_logprobs(states[:, :-1], ids[:, 1:])
-    return -aggregate(lp, response[:, 1:], "token_mean")
+def _response_weights(inputs: Mapping[str, Any], ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """``(B, T-1)`` mask of the predicted tokens ``input_ids[:, 1:]`` that lm_ce trains on."""
+    return get_mask(inputs, "response_mask", tuple(ids.shape), default=attention)[:, 1:]
 
 
 def _taid_t(step: int | None, total: int | None, t_min: float, t_max: float, schedule: TAIDSchedule | None) -> float:
@@ -213,19 +184,29 @@ def _taid_t(step: int | None, total: int | None, t_min: float, t_max: float, sch
     return taid_linear_t(step, total, t_min, t_max)
 
 
-def _sdpo(
+@dataclass(frozen=True)
+class _SDPOSpec:
+    """Everything the SDPO channel needs, aligned to the C completion positions (``(B, C, ...)``)."""
+
+    weights: torch.Tensor  # (B, C) completion_mask · self_distillation_mask
+    labels: torch.Tensor  # (B, C) completion token ids
+    first: int  # student position scoring completion token 0 (= T - C - 1)
+    teacher: torch.Tensor  # (B, C, X) teacher logits or hidden states (detached)
+    teacher_is_logits: bool
+    anchor: torch.Tensor | None  # (B, C, X) TAID anchor logits or hidden states (detached)
+    anchor_is_logits: bool
+    old: torch.Tensor | None  # (B, C) behaviour log-probs for is_clip
+
+
+def _sdpo_spec(
     head: _Head,
     states: torch.Tensor,
     inputs: Mapping[str, Any],
     ids: torch.Tensor,
     *,
-    wrapper: str | None,
-    alpha: float,
-    top_k: int | None,
+    taid_active: bool,
     is_clip: float | None,
-    taid_t: float | None,
-    h_max: float | None,
-) -> tuple[torch.Tensor, int]:
+) -> _SDPOSpec:
     batch, seq = ids.shape
     why = "for the SDPO channel (it is active because 'teacher_input_ids' or 'teacher_logits' is present)"
     raw = inputs.get("completion_mask")
@@ -240,12 +221,11 @@ def _sdpo(
         )
     sample = get_mask(inputs, "self_distillation_mask", (batch,), default=torch.ones(batch, device=ids.device))
     weights = completion.to(torch.float32) * sample.to(torch.float32)[:, None]
-    positions = slice(seq - c - 1, seq - 1)
-    student = states[:, positions]
+    first = seq - c - 1
     labels = ids[:, seq - c :]
 
-    if "teacher_logits" in inputs and inputs["teacher_logits"] is not None:
-        teacher = get_float(inputs, "teacher_logits", (batch, c, "V"), why)
+    if inputs.get("teacher_logits") is not None:
+        teacher = get_float(inputs, "teacher_logits", (batch, c, "V"), why).detach()
         teacher_is_logits = True
     else:
         t_ids = get_ids(inputs, "teacher_input_ids", (batch, "T_teacher"), why)
@@ -262,56 +242,136 @@ def _sdpo(
 
     anchor: torch.Tensor | None = None
     anchor_is_logits = True
-    if wrapper == "taid" and taid_t is not None and taid_t < 1.0:
-        if inputs.get("student_init_logits") is not None:
-            init = get_float(inputs, "student_init_logits", (batch, seq, "V"), "for TAID")
-            anchor = init[:, positions].detach()
-        elif inputs.get("student_init_input_ids") is not None:
-            init_ids = get_ids(inputs, "student_init_input_ids", (batch, seq), "for TAID")
-            warnings.warn(
-                "TAID: inputs['student_init_input_ids'] is scored by the *live* model; that equals the step-0 "
-                "student only before the first optimizer step. Pass precomputed inputs['student_init_logits'] "
-                "(captured at step 0) or neither key (the paper's current detached student) instead.",
-                UserWarning,
-                stacklevel=3,
-            )
-            with torch.no_grad():
-                anchor = head.states(init_ids, inputs.get("attention_mask"))[:, positions].detach()
-            anchor_is_logits = not head.fused
+    if taid_active and inputs.get("student_init_logits") is not None:
+        init = get_float(inputs, "student_init_logits", (batch, seq, "V"), "for TAID")
+        anchor = init[:, first : seq - 1].detach()
+    elif taid_active and inputs.get("student_init_input_ids") is not None:
+        init_ids = get_ids(inputs, "student_init_input_ids", (batch, seq), "for TAID")
+        warnings.warn(
+            "TAID: inputs['student_init_input_ids'] is scored by the *live* model; that equals the step-0 "
+            "student only before the first optimizer step. Pass precomputed inputs['student_init_logits'] "
+            "(captured at step 0) or neither key (the paper's current detached student) instead.",
+            UserWarning,
+            stacklevel=4,
+        )
+        with torch.no_grad():
+            anchor = head.states(init_ids, inputs.get("attention_mask"))[:, first : seq - 1].detach()
+        anchor_is_logits = not head.fused
 
     old = None
     if is_clip is not None:
-        old_key = inputs.get("old_per_token_logps")
-        old = (
-            get_float(inputs, "old_per_token_logps", (batch, c), "for sdpo_is_clip")
-            if old_key is not None
-            else head.token_logprobs(student.detach(), labels).detach()
-        )
+        if inputs.get("old_per_token_logps") is not None:
+            old = get_float(inputs, "old_per_token_logps", (batch, c), "for sdpo_is_clip").detach()
+        else:  # on-policy: the behaviour policy is the current one, the weight is 1
+            with torch.no_grad():
+                old = head.token_logprobs(states[:, first : seq - 1].detach(), labels)
+    return _SDPOSpec(weights, labels, first, teacher, teacher_is_logits, anchor, anchor_is_logits, old)
 
-    flat = head.fused
-    aux_labels = labels.reshape(-1) if flat else labels
-    aux_old = None if old is None else (old.reshape(-1) if flat else old)
-    aux_anchor = None if anchor is None else (anchor.reshape(-1, anchor.shape[-1]) if flat else anchor)
 
-    def per_token(s_logits: torch.Tensor, t_logits: torch.Tensor, rows: Any) -> torch.Tensor:
+def _sdpo_per_token(
+    head: _Head,
+    spec: _SDPOSpec,
+    at: Callable[[torch.Tensor, Any], torch.Tensor],
+    *,
+    wrapper: str | None,
+    alpha: float,
+    top_k: int | None,
+    is_clip: float | None,
+    taid_t: float | None,
+    h_max: float | None,
+) -> Callable[[torch.Tensor, Any, Any], torch.Tensor]:
+    """Per-token SDPO loss; ``at(x, rows)`` picks the rows of a ``(B, C, ...)`` tensor."""
+    taid_active = wrapper == "taid" and taid_t is not None and taid_t < 1.0
+
+    def per_token(s_logits: torch.Tensor, t_logits: Any, rows: Any) -> torch.Tensor:
         target = t_logits
-        if wrapper == "taid" and taid_t is not None and taid_t < 1.0:
-            a = None
-            if aux_anchor is not None:
-                a = aux_anchor[rows] if anchor_is_logits else head.logits(aux_anchor[rows])
-            target = taid_target_logprobs(s_logits, t_logits, taid_t, anchor_logits=a)
+        if taid_active:
+            assert taid_t is not None
+            anchor = None if spec.anchor is None else head.project(at(spec.anchor, rows), spec.anchor_is_logits)
+            target = taid_target_logprobs(s_logits, t_logits, taid_t, anchor_logits=anchor)
         if wrapper == "entropy_opd":
             assert h_max is not None
             value = entropy_opd_per_token(s_logits, target, h_max=h_max, top_k=top_k)
         else:
             value = generalized_jsd_per_token(s_logits, target, alpha=alpha, top_k=top_k)
-        if is_clip is not None and aux_old is not None:
-            lp = token_logprobs(s_logits, aux_labels[rows], ignore_index=None)
-            value = value * is_ratio_weight(lp, aux_old[rows], is_clip)
+        if is_clip is not None and spec.old is not None:
+            lp = token_logprobs(s_logits, at(spec.labels, rows), ignore_index=None)
+            value = value * is_ratio_weight(lp, at(spec.old, rows), is_clip)
         return value
 
-    loss = head.distill(student, teacher, teacher_is_logits, per_token, weights)
-    return loss, int((weights != 0).sum())
+    return per_token
+
+
+PerTokenFactory = Callable[
+    [Callable[[torch.Tensor, Any], torch.Tensor]], Callable[[torch.Tensor, Any, Any], torch.Tensor]
+]
+
+
+def _unfused_channels(
+    head: _Head,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    response: torch.Tensor,
+    spec: _SDPOSpec | None,
+    make_per_token: PerTokenFactory | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """lm_ce and sdpo_jsd from materialised ``(B, T, V)`` logits."""
+    lm_ce = -aggregate(head.token_logprobs(logits[:, :-1], ids[:, 1:]), response, "token_mean")
+    if spec is None or make_per_token is None:
+        return lm_ce, torch.zeros((), dtype=lm_ce.dtype, device=lm_ce.device)
+    per_token = make_per_token(lambda x, rows: x)
+    student = logits[:, spec.first : spec.first + spec.labels.shape[1]]
+    return lm_ce, aggregate(per_token(student, spec.teacher, ...), spec.weights, "token_mean")
+
+
+def _fused_channels(
+    head: _Head,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    response: torch.Tensor,
+    spec: _SDPOSpec | None,
+    make_per_token: PerTokenFactory | None,
+    lm_w: float,
+    sdpo_w: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunked lm_head pass for both channels: (``lm_w·lm_ce + sdpo_w·sdpo`` with grad, lm_ce, sdpo)."""
+    assert head.chunk_size is not None
+    batch, seq = ids.shape
+    per_seq = seq - 1  # flattened row r scores token (r // per_seq, r % per_seq + 1)
+    tiny = torch.finfo(torch.float32).tiny
+    labels = ids[:, 1:].reshape(-1)
+    ce_w = response.to(torch.float32)
+    terms = [
+        ChunkTerm(
+            lambda s, t, rows: -token_logprobs(s, labels[rows], ignore_index=None),
+            (ce_w / ce_w.sum().clamp_min(tiny)).reshape(-1),
+            lm_w,
+            needs_teacher=False,
+        )
+    ]
+    teacher_fn = None
+    if spec is not None and make_per_token is not None:
+        sdpo_spec = spec
+
+        def at(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            return x[rows // per_seq, rows % per_seq - sdpo_spec.first]
+
+        def teacher_fn(rows: torch.Tensor) -> torch.Tensor:
+            return head.project(at(sdpo_spec.teacher, rows), sdpo_spec.teacher_is_logits)
+
+        sdpo_rows = torch.zeros(batch, per_seq, dtype=torch.float32, device=ids.device)
+        sdpo_rows[:, spec.first :] = spec.weights / spec.weights.sum().clamp_min(tiny)
+        terms.append(ChunkTerm(make_per_token(at), sdpo_rows.reshape(-1), sdpo_w, needs_teacher=True))
+    total, values = chunked_fused_loss(
+        hidden[:, :-1].reshape(batch * per_seq, hidden.shape[-1]),
+        head.weight,
+        terms,
+        bias=head.bias,
+        teacher_fn=teacher_fn,
+        chunk_size=head.chunk_size,
+    )
+    sdpo = values[1] if len(values) > 1 else torch.zeros((), dtype=values[0].dtype, device=values[0].device)
+    return total, values[0], sdpo
 
 
 def _trace_replay_dpo(
@@ -438,8 +498,10 @@ def compose_loss(
         dpo_label_smoothing: ε for ``sigmoid`` (cDPO), ``robust`` and ``exo_pair``.
         taid_schedule: a :class:`crf_distill.TAIDSchedule` whose adaptive ``t`` is used instead of the linear
             one (the caller calls ``schedule.update(out.sdpo_jsd, step, total)`` once per optimizer step).
-        chunk_size: run the lm_head fused and chunked over tokens (HF causal LMs with a Linear lm_head);
-            peak memory holds one ``(chunk, V)`` block per channel instead of ``(B, T, V)`` logits.
+        chunk_size: run the lm_head fused and chunked over tokens (HF causal LMs with a Linear lm_head):
+            lm_ce and sdpo_jsd share one pass (``crf_distill.chunked_fused_loss``), DPO uses
+            ``chunked_token_logprobs``; peak memory holds one ``(chunk, V)`` block instead of ``(B, T, V)``
+            logits. Gradients then flow through ``total`` only: ``lm_ce`` and ``sdpo_jsd`` are detached values.
 
     Raises:
         KeyError: a key a requested channel needs is missing (the message names it).
@@ -487,30 +549,48 @@ def compose_loss(
         )
     head = _Head(model, chunk_size)
     attention = get_mask(inputs, "attention_mask", tuple(ids.shape), default=torch.ones_like(ids))
+    response = _response_weights(inputs, ids, attention)
     states = head.states(ids, attention)
-    zero = torch.zeros((), dtype=torch.float32, device=ids.device)
-
-    lm_ce = _lm_ce(head, states, inputs, ids)
 
     taid_t = None
     if sdpo_wrapper == "taid":
         taid_t = _taid_t(taid_schedule_step, taid_total_steps, t_min, t_max, taid_schedule)
-    sdpo, sdpo_tokens = zero, 0
+    spec: _SDPOSpec | None = None
+    make_per_token: PerTokenFactory | None = None
     if inputs.get("teacher_input_ids") is not None or inputs.get("teacher_logits") is not None:
-        sdpo, sdpo_tokens = _sdpo(
+        sdpo_spec = _sdpo_spec(
             head,
             states,
             inputs,
             ids,
-            wrapper=sdpo_wrapper,
-            alpha=alpha,
-            top_k=sdpo_top_k,
+            taid_active=taid_t is not None and taid_t < 1.0,
             is_clip=sdpo_is_clip,
-            taid_t=taid_t,
-            h_max=entropy_opd_h_max,
         )
+        spec = sdpo_spec
 
-    dpo, pairs = zero, 0
+        def make_per_token(
+            at: Callable[[torch.Tensor, Any], torch.Tensor],
+        ) -> Callable[[torch.Tensor, Any, Any], torch.Tensor]:
+            return _sdpo_per_token(
+                head,
+                sdpo_spec,
+                at,
+                wrapper=sdpo_wrapper,
+                alpha=alpha,
+                top_k=sdpo_top_k,
+                is_clip=sdpo_is_clip,
+                taid_t=taid_t,
+                h_max=entropy_opd_h_max,
+            )
+
+    fused_total = None
+    if head.fused:
+        fused_total, lm_ce, sdpo = _fused_channels(head, states, ids, response, spec, make_per_token, lm_w, sdpo_w)
+    else:
+        lm_ce, sdpo = _unfused_channels(head, states, ids, response, spec, make_per_token)
+    sdpo_tokens = 0 if spec is None else int((spec.weights != 0).sum())
+
+    dpo, pairs = torch.zeros((), dtype=torch.float32, device=ids.device), 0
     if inputs.get("dpo_chosen_input_ids") is not None:
         dpo, pairs = _trace_replay_dpo(
             head,
@@ -522,7 +602,10 @@ def compose_loss(
             simpo_gamma=simpo_gamma,
         )
 
-    total = lm_w * lm_ce + sdpo_w * sdpo + dpo_w * dpo
+    if fused_total is None:
+        total = lm_w * lm_ce + sdpo_w * sdpo + dpo_w * dpo
+    else:  # lm_ce and sdpo_jsd are detached values; their gradient lives in fused_total
+        total = fused_total + dpo_w * dpo
     return LossComponents(
         lm_ce=lm_ce,
         sdpo_jsd=sdpo,

@@ -334,7 +334,7 @@ class ObjectStoreAllReduce:
         return obj
 
     def _sleep(self, attempt: int) -> None:
-        time.sleep(min(self.poll_interval, 0.002 * 1.5**attempt) * (0.75 + 0.5 * random.random()))
+        time.sleep(min(self.poll_interval, 0.002 * 1.5 ** min(attempt, 20)) * (0.75 + 0.5 * random.random()))
 
     def _write_decision(self, keys: RoundKeys, outcome: str, reason: str, token: str | None) -> dict[str, Any]:
         """Create the round's decision (first writer wins) and return the one that stands."""

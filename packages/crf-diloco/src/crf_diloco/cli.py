@@ -1,7 +1,8 @@
 """``crf-diloco launch``: start N replicas of a training script that synchronise through an object store.
 
     crf-diloco launch --replicas N --uri URI [--executor local|ray] [--run-id ID] [--timeout S]
-                      [--env KEY=VALUE ...] [--ray-address ADDR] script.py [args...]
+                      [--env KEY=VALUE ...] [--ray-address ADDR] [--ray-num-cpus C] [--ray-num-gpus G]
+                      script.py [args...]
 
 Each replica runs ``python script.py args...`` with ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE``,
 ``CRF_DILOCO_URI`` and ``CRF_DILOCO_RUN_ID`` set (the script calls `ObjectStoreAllReduce.from_env`). Replica
@@ -13,6 +14,7 @@ interrupted by SIGINT/SIGTERM (the replicas are stopped first).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -76,6 +78,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def _run_id(text: str) -> str:
     try:
         return validate_name(text, "--run-id")
@@ -109,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE", help="extra replica env var"
     )
     launch.add_argument("--ray-address", default=None, help="Ray cluster address (--executor ray; default: local)")
+    launch.add_argument(
+        "--ray-num-cpus", type=_non_negative, default=None, metavar="C", help="CPUs per replica (--executor ray; 1)"
+    )
+    launch.add_argument(
+        "--ray-num-gpus", type=_non_negative, default=None, metavar="G", help="GPUs per replica (--executor ray; 0)"
+    )
     launch.add_argument("script", help="the training script, run with this Python interpreter")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return parser
@@ -118,7 +136,8 @@ def _make_executor(args: argparse.Namespace) -> ServerlessExecutor[Any]:
     if args.executor == "ray":
         from crf_diloco.executors.ray import RayExecutor
 
-        return RayExecutor(address=args.ray_address)
+        resources = {"num_cpus": args.ray_num_cpus, "num_gpus": args.ray_num_gpus}
+        return RayExecutor(address=args.ray_address, **{k: v for k, v in resources.items() if v is not None})
     from crf_diloco.executors.local import LocalProcessExecutor
 
     return LocalProcessExecutor()
@@ -141,6 +160,9 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``crf-diloco launch``; return the process exit status."""
+    ray_only = [flag for flag in ("ray_address", "ray_num_cpus", "ray_num_gpus") if getattr(args, flag) is not None]
+    if ray_only and args.executor != "ray":
+        parser.error(f"--{ray_only[0].replace('_', '-')} needs --executor ray")
     if not os.path.isfile(args.script):
         parser.error(f"script {args.script!r} is not a file")
     script_args = list(args.script_args)

@@ -48,7 +48,9 @@ def main() -> None:
             losses.append(loss.item())
     print(f"rank {rank}: {manager.current_step()} outer steps, last loss {losses[-1]:.4f}", flush=True)
     final = {name: p.detach().contiguous() for name, p in model.named_parameters()}
-    save_file({**final, **{f"initial.{k}": v for k, v in initial.items()}}, os.path.join(args.out, f"rank{rank}.safetensors"))
+    save_file(
+        {**final, **{f"initial.{k}": v for k, v in initial.items()}}, os.path.join(args.out, f"rank{rank}.safetensors")
+    )
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"outer_steps": manager.current_step(), "losses": losses}, f)
 

@@ -6,7 +6,7 @@ shapes. Masks are 1 on response tokens and 0 on prompt/padding throughout.
 
 from crf_distill._version import __version__
 from crf_distill.aggregate import Aggregation, aggregate
-from crf_distill.chunked import chunked_distillation_loss, chunked_token_logprobs
+from crf_distill.chunked import ChunkTerm, chunked_distillation_loss, chunked_fused_loss, chunked_token_logprobs
 from crf_distill.dpo import DPO_LOSS_TYPES, dpo_loss
 from crf_distill.entropy_opd import entropy_opd_loss, entropy_opd_per_token, teacher_entropy_gate, token_entropy
 from crf_distill.jsd import generalized_jsd, generalized_jsd_per_token, is_ratio_weight
@@ -18,11 +18,13 @@ from crf_distill.taid import TAIDSchedule, taid_linear_t, taid_loss, taid_per_to
 __all__ = [
     "DPO_LOSS_TYPES",
     "Aggregation",
+    "ChunkTerm",
     "TAIDSchedule",
     "__version__",
     "aggregate",
     "avg_sequence_logprob",
     "chunked_distillation_loss",
+    "chunked_fused_loss",
     "chunked_token_logprobs",
     "dpo_loss",
     "entropy_opd_loss",

@@ -8,29 +8,37 @@ time so peak extra memory is about one ``(chunk, V)`` block (plus its float32 so
 * :func:`chunked_token_logprobs` — per-token log-probs of labels (for CE, DPO, SimPO, IS ratios). A custom
   autograd function: forward keeps only the ``(N,)`` logsumexp; backward recomputes each chunk's logits
   (``∂lp/∂z = onehot(y) − softmax(z)``). Output is an ordinary differentiable ``(N,)`` tensor.
-* :func:`chunked_distillation_loss` — any token-decomposable distillation loss (generalised JSD, KL,
-  TAID, Entropy-OPD: pass its ``*_per_token`` function). Gradients w.r.t. hidden states, weight and bias
-  are computed chunk by chunk *inside forward* (Liger style) and scaled by the upstream gradient in
-  backward, so the returned scalar must be used linearly (weighted sums are fine; double backward is not
-  supported).
+* :func:`chunked_fused_loss` — several token-decomposable terms (CE, generalised JSD, KL, TAID,
+  Entropy-OPD: pass their ``*_per_token`` functions) sharing one chunked lm_head pass. Gradients w.r.t.
+  hidden states, weight and bias are computed chunk by chunk *inside forward* (Liger style) and scaled by
+  the upstream gradient in backward, so the returned total must be used linearly (weighted sums are fine;
+  double backward is not supported). :func:`chunked_distillation_loss` is its one-term token-mean form.
 
-Normalisation: the distillation loss is ``Σ_rows ℓ_r·m_r / D`` with ``D = Σ m`` (token mean) unless
+Normalisation: ``chunked_distillation_loss`` is ``Σ_rows ℓ_r·m_r / D`` with ``D = Σ m`` (token mean) unless
 ``num_items`` is given, identical to :func:`crf_distill.aggregate` with ``mode="token_mean"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask
 
-__all__ = ["PerTokenLoss", "chunked_distillation_loss", "chunked_token_logprobs"]
+__all__ = [
+    "ChunkTerm",
+    "PerTokenLoss",
+    "TeacherFn",
+    "chunked_distillation_loss",
+    "chunked_fused_loss",
+    "chunked_token_logprobs",
+]
 
-PerTokenLoss = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
-"""``fn(student_logits_chunk (n, V), teacher_logits_chunk (n, V), rows) -> (n,)``; ``rows`` indexes extras."""
+PerTokenLoss = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
+"""``fn(student_logits (n, V), teacher_logits (n, V) or None, rows (n,) index tensor) -> (n,)``."""
 
 
 def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -148,17 +156,35 @@ def chunked_token_logprobs(
     return torch.where(ignored, torch.zeros((), dtype=lp.dtype, device=lp.device), lp)
 
 
-class _ChunkedDistillation(torch.autograd.Function):
+@dataclass(frozen=True)
+class ChunkTerm:
+    """One token-decomposable loss term of :func:`chunked_fused_loss`.
+
+    Attributes:
+        per_token: ``fn(student_logits (n, V), teacher_logits (n, V) | None, rows) -> (n,)``; ``rows`` is a
+            ``(n,)`` index tensor into the ``N`` flattened rows (use it to index per-row extras).
+        weights: ``(N,)`` normalised row weights (e.g. ``mask / mask.sum()``); rows with weight 0 are skipped.
+        scale: multiplier of this term inside the differentiable total (a channel weight).
+        needs_teacher: whether ``per_token`` reads the teacher logits (only then are they computed).
+    """
+
+    per_token: PerTokenLoss
+    weights: torch.Tensor
+    scale: float = 1.0
+    needs_teacher: bool = True
+
+
+class _ChunkedFused(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        teacher_logits_fn: Callable[[slice], torch.Tensor],
-        per_token_fn: PerTokenLoss,
-        row_weights: torch.Tensor,
+        teacher_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+        terms: Sequence[ChunkTerm],
         chunk_size: int,
+        values_out: list[torch.Tensor],
     ) -> torch.Tensor:
         n = hidden.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -169,43 +195,151 @@ class _ChunkedDistillation(torch.autograd.Function):
         w_leaf = weight.detach().requires_grad_(need_w)
         b_leaf = None if bias is None else bias.detach().requires_grad_(need_b)
         total = torch.zeros((), dtype=dtype, device=hidden.device)
+        values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
         for start in range(0, n, chunk_size):
-            rows = slice(start, min(start + chunk_size, n))
-            w_rows = row_weights[rows].to(dtype)
-            if not bool((w_rows != 0).any()):
+            stop = min(start + chunk_size, n)
+            selected = [torch.nonzero(term.weights[start:stop]).flatten() for term in terms]
+            if all(sel.numel() == 0 for sel in selected):
                 continue
-            with torch.no_grad():
-                teacher = teacher_logits_fn(rows)
-            h = hidden[rows].detach().requires_grad_(need_h)
+            h = hidden[start:stop].detach().requires_grad_(need_h)
             with torch.enable_grad():
                 z = _linear(h, w_leaf, b_leaf)
-                per_token = per_token_fn(z, teacher, rows)
-                zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
-                loss = (torch.where(w_rows != 0, per_token, zero) * w_rows).sum()
+                chunk_loss = torch.zeros((), dtype=dtype, device=hidden.device)
+                for k, (term, sel) in enumerate(zip(terms, selected, strict=True)):
+                    if sel.numel() == 0:
+                        continue
+                    rows = sel + start
+                    teacher = None
+                    if term.needs_teacher:
+                        assert teacher_logits_fn is not None
+                        with torch.no_grad():
+                            teacher = teacher_logits_fn(rows)
+                    w_rows = term.weights[rows].to(dtype)
+                    value = (term.per_token(z[sel], teacher, rows) * w_rows).sum()
+                    values[k] += value.detach()
+                    chunk_loss = chunk_loss + term.scale * value
                 wrt = [x for x, need in ((h, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need and x is not None]
-                grads = list(torch.autograd.grad(loss, wrt)) if wrt and loss.requires_grad else []
-            total += loss.detach()
-            if grads and need_h and grad_h is not None:
-                grad_h[rows] = grads.pop(0).to(hidden.dtype)
-            if grads and need_w and grad_w is not None:
+                grads = list(torch.autograd.grad(chunk_loss, wrt)) if wrt and chunk_loss.requires_grad else []
+            total += chunk_loss.detach()
+            if grads and grad_h is not None:
+                grad_h[start:stop] = grads.pop(0).to(hidden.dtype)
+            if grads and grad_w is not None:
                 grad_w += grads.pop(0)
-            if grads and need_b and grad_b is not None:
+            if grads and grad_b is not None:
                 grad_b += grads.pop(0)
-            del z, per_token, loss, teacher
-        ctx.save_for_backward(
-            *(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b)),
-        )
+            del z, chunk_loss
+        values_out.extend(values)
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b)))
         ctx.present = (grad_h is not None, grad_w is not None, grad_b is not None)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved = ctx.saved_tensors
         result: list[torch.Tensor | None] = []
-        for grad, present, dtype in zip(saved, ctx.present, ctx.dtypes, strict=True):
+        for grad, present, dtype in zip(ctx.saved_tensors, ctx.present, ctx.dtypes, strict=True):
             result.append((grad * grad_out.to(grad.dtype)).to(dtype) if present and dtype is not None else None)
         return (*result, None, None, None, None)
+
+
+TeacherFn = Callable[[torch.Tensor], torch.Tensor]
+"""``fn(rows (n,) index tensor) -> (n, V)`` teacher logits of those rows (called under ``no_grad``)."""
+
+
+def _teacher_source(
+    n: int,
+    vocab: int,
+    teacher_logits: torch.Tensor | None,
+    teacher_hidden: torch.Tensor | None,
+    teacher_weight: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None,
+    teacher_fn: TeacherFn | None,
+) -> TeacherFn | None:
+    if sum(x is not None for x in (teacher_logits, teacher_hidden, teacher_fn)) > 1:
+        raise ValueError(
+            "pass only one teacher: `teacher_logits` (N, V), `teacher_hidden` (N, H) + `teacher_weight`, or `teacher_fn`"
+        )
+    if teacher_fn is not None:
+        return teacher_fn
+    if teacher_logits is not None:
+        check_float_tensor("teacher_logits", teacher_logits, ndim=2)
+        if teacher_logits.shape != (n, vocab):
+            raise ValueError(f"`teacher_logits` must be (N={n}, V={vocab}), got {tuple(teacher_logits.shape)}")
+        fixed = teacher_logits.detach()
+        return lambda rows: fixed[rows]
+    if teacher_hidden is None:
+        return None
+    if teacher_weight is None:
+        raise ValueError("`teacher_hidden` needs `teacher_weight` (the teacher lm_head weight, (V, H))")
+    _check_head(teacher_hidden, teacher_weight, teacher_bias, prefix="teacher_")
+    if teacher_hidden.shape[0] != n or teacher_weight.shape[0] != vocab:
+        raise ValueError(
+            f"teacher rows/vocab ({teacher_hidden.shape[0]}, {teacher_weight.shape[0]}) must match the student's ({n}, {vocab})"
+        )
+    th, tw = teacher_hidden.detach(), teacher_weight.detach()
+    tb = None if teacher_bias is None else teacher_bias.detach()
+    return lambda rows: _linear(th[rows], tw, tb)
+
+
+def chunked_fused_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    terms: Sequence[ChunkTerm],
+    *,
+    bias: torch.Tensor | None = None,
+    teacher_logits: torch.Tensor | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    teacher_fn: TeacherFn | None = None,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Several token-decomposable losses sharing one chunked lm_head pass (Liger-style, grads in forward).
+
+    Computes ``total = Σ_k scale_k · Σ_r weights_k[r] · ℓ_k(r)`` where ``ℓ_k(r) = term_k.per_token`` on the
+    logits of row ``r`` (``h_r W^T + b``). Each chunk's logits are computed once and shared by all terms, so
+    a composed loss (e.g. CE on every token + a distillation term on the response tokens) costs one forward
+    and one backward matmul pair. Teacher logits are computed (``no_grad``) only for rows where a term that
+    needs them has non-zero weight.
+
+    Args:
+        hidden: ``(N, H)`` student last hidden states. weight/bias: student lm_head ``(V, H)`` / ``(V,)``.
+        terms: the :class:`ChunkTerm` s.
+        teacher_logits: ``(N, V)`` precomputed, **or** ``teacher_hidden`` ``(N, H_T)`` + ``teacher_weight``
+            ``(V, H_T)`` (+ ``teacher_bias``), **or** ``teacher_fn(rows) -> (n, V)``; required when a term
+            ``needs_teacher``.
+        chunk_size: rows per chunk.
+
+    Returns:
+        ``(total, values)``: ``total`` is a differentiable 0-d tensor (gradients w.r.t. hidden/weight/bias;
+        use it linearly, no double backward); ``values[k]`` is the detached ``Σ_r weights_k[r]·ℓ_k(r)``.
+    """
+    _check_head(hidden, weight, bias)
+    _check_chunk(chunk_size)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    if not terms:
+        raise ValueError("`terms` is empty; pass at least one ChunkTerm")
+    for k, term in enumerate(terms):
+        check_mask(f"terms[{k}].weights", term.weights, (n,))
+    source = _teacher_source(n, vocab, teacher_logits, teacher_hidden, teacher_weight, teacher_bias, teacher_fn)
+    if source is None and any(term.needs_teacher for term in terms):
+        raise ValueError(
+            "a term needs the teacher: pass `teacher_logits` (N, V) or `teacher_hidden` + `teacher_weight`"
+        )
+    values: list[torch.Tensor] = []
+    total: torch.Tensor = _ChunkedFused.apply(hidden, weight, bias, source, list(terms), chunk_size, values)
+    return total, values
+
+
+def _token_mean_weights(mask: torch.Tensor, dtype: torch.dtype, num_items: float | torch.Tensor | None) -> torch.Tensor:
+    weights = mask.to(dtype)
+    if num_items is None:
+        den = weights.sum()
+        return weights / torch.where(den > 0, den, torch.ones((), dtype=dtype, device=den.device))
+    den = torch.as_tensor(num_items, dtype=dtype, device=mask.device)
+    if den.dim() != 0 or not bool(den > 0):
+        raise ValueError(f"`num_items` must be a positive scalar, got {num_items!r}")
+    return weights / den
 
 
 def chunked_distillation_loss(
@@ -222,7 +356,7 @@ def chunked_distillation_loss(
     chunk_size: int = 1024,
     num_items: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Token-mean of ``per_token_fn`` over ``mask`` with the student lm_head fused in, chunk by chunk.
+    """Token mean of one distillation loss over ``mask`` with the student lm_head fused in, chunk by chunk.
 
     Args:
         hidden: ``(N, H)`` student last hidden states (with grad). weight/bias: student lm_head.
@@ -238,47 +372,20 @@ def chunked_distillation_loss(
         0-d tensor equal to ``aggregate(per_token_fn(h W^T + b, teacher, :), mask, "token_mean")``.
     """
     _check_head(hidden, weight, bias)
-    _check_chunk(chunk_size)
-    n = hidden.shape[0]
-    check_mask("mask", mask, (n,))
+    check_mask("mask", mask, hidden.shape[:1])
     if (teacher_logits is None) == (teacher_hidden is None):
         raise ValueError("pass exactly one of `teacher_logits` (N, V) or `teacher_hidden` (N, H) + `teacher_weight`")
-    if teacher_logits is not None:
-        check_float_tensor("teacher_logits", teacher_logits, ndim=2)
-        if teacher_logits.shape != (n, weight.shape[0]):
-            raise ValueError(
-                f"`teacher_logits` must be (N={n}, V={weight.shape[0]}), got {tuple(teacher_logits.shape)}"
-            )
-        fixed = teacher_logits.detach()
-
-        def teacher_fn(rows: slice) -> torch.Tensor:
-            return fixed[rows]
-    else:
-        assert teacher_hidden is not None
-        if teacher_weight is None:
-            raise ValueError("`teacher_hidden` needs `teacher_weight` (the teacher lm_head weight, (V, H))")
-        _check_head(teacher_hidden, teacher_weight, teacher_bias, prefix="teacher_")
-        if teacher_hidden.shape[0] != n or teacher_weight.shape[0] != weight.shape[0]:
-            raise ValueError(
-                f"teacher rows/vocab ({teacher_hidden.shape[0]}, {teacher_weight.shape[0]}) must match the student's "
-                f"({n}, {weight.shape[0]})"
-            )
-        th, tw = teacher_hidden.detach(), teacher_weight.detach()
-        tb = None if teacher_bias is None else teacher_bias.detach()
-
-        def teacher_fn(rows: slice) -> torch.Tensor:
-            return _linear(th[rows], tw, tb)
-
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    weights = mask.to(dtype)
-    if num_items is None:
-        den = weights.sum()
-        den = torch.where(den > 0, den, torch.ones((), dtype=dtype, device=den.device))
-    else:
-        den = torch.as_tensor(num_items, dtype=dtype, device=hidden.device)
-        if den.dim() != 0 or not bool(den > 0):
-            raise ValueError(f"`num_items` must be a positive scalar, got {num_items!r}")
-    out: torch.Tensor = _ChunkedDistillation.apply(
-        hidden, weight, bias, teacher_fn, per_token_fn, weights / den, chunk_size
+    term = ChunkTerm(per_token_fn, _token_mean_weights(mask, dtype, num_items))
+    total, _ = chunked_fused_loss(
+        hidden,
+        weight,
+        [term],
+        bias=bias,
+        teacher_logits=teacher_logits,
+        teacher_hidden=teacher_hidden,
+        teacher_weight=teacher_weight,
+        teacher_bias=teacher_bias,
+        chunk_size=chunk_size,
     )
-    return out
+    return total

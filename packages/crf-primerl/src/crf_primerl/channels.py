@@ -11,6 +11,11 @@ All tensors are ``(seq,)``; ``lp_T`` is the teacher log-prob of the sampled toke
   ``keep_T = m ∧ ¬(Δp < −teacher_mask_low)``. Its gradient, ``(lp_θ − lp_T)·r·∇lp_θ``, is the
   importance-corrected score-function gradient of KL(π_θ ‖ π_T) on sampler tokens.
 - Sampled-token cross-entropy (PRIME-RL's ``ce``/``sft`` loss): ``ℓ_t = −m_t · lp_θ,t``.
+
+Filler teachers: from 0be5ac4 on, PRIME-RL packs samples that have no reference into a micro-batch
+that has one with ``ref_logprobs = 0.0`` on every token. A teacher that is exactly 0 on every
+loss-mask token is therefore read as "no teacher for this sample" and both teacher channels skip it
+(a 0-d gate, no device synchronisation).
 """
 
 from __future__ import annotations
@@ -23,14 +28,20 @@ def teacher_log_gap(teacher_logprobs: Tensor, trainer_logprobs: Tensor) -> Tenso
     return teacher_logprobs - trainer_logprobs
 
 
+def teacher_signal(teacher_logprobs: Tensor, trainer_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """``sg(lp_T − lp_θ)``, zeroed when the teacher is PRIME-RL's all-zero filler on the loss mask."""
+    present = ((teacher_logprobs != 0) & loss_mask).any()
+    return teacher_log_gap(teacher_logprobs, trainer_logprobs).detach() * present
+
+
 def teacher_keep_mask(probs_diff: Tensor, loss_mask: Tensor, teacher_mask_low: float) -> Tensor:
     """One-sided trust region of the distillation channel: drop tokens whose probability fell by more than the bound."""
     return loss_mask & ~(probs_diff < -teacher_mask_low)
 
 
-def teacher_distill_token_loss(log_gap: Tensor, ratio: Tensor, keep_mask: Tensor) -> Tensor:
-    """``ℓ_t = −keep_T,t · sg(lp_T,t − lp_θ,t) · r_t``."""
-    return -(keep_mask * log_gap.detach() * ratio)
+def teacher_distill_token_loss(signal: Tensor, ratio: Tensor, keep_mask: Tensor) -> Tensor:
+    """``ℓ_t = −keep_T,t · sg(lp_T,t − lp_θ,t) · r_t`` given ``signal`` from :func:`teacher_signal`."""
+    return -(keep_mask * signal * ratio)
 
 
 def cross_entropy_token_loss(trainer_logprobs: Tensor, loss_mask: Tensor) -> Tensor:

@@ -23,6 +23,10 @@ Per-token loss (symbols in :mod:`crf_primerl.dppo` and :mod:`crf_primerl.channel
                   − ce_weight · m_t · lp_θ,t ]                              (sampled-token CE)
     loss = Σ_t ℓ_t
 
+A teacher that is exactly 0.0 on every loss-mask token is PRIME-RL's filler for a sample without a
+reference (0be5ac4 and later pack such samples next to ones with a reference); both teacher
+channels skip it.
+
 With the default keywords the composer channels are off and ``loss`` and ``metrics`` are PRIME-RL's
 ``default_loss_fn`` with its ``DefaultLossConfig`` defaults.
 """
@@ -39,6 +43,7 @@ from crf_primerl.channels import (
     teacher_distill_token_loss,
     teacher_keep_mask,
     teacher_log_gap,
+    teacher_signal,
 )
 from crf_primerl.dppo import dppo_kl_token_loss, dppo_metrics, dppo_terms, masked_mean
 from crf_primerl.validation import Sample, check_bounds, read_sample
@@ -179,16 +184,18 @@ def _composed_loss(
     metrics = dppo_metrics(terms, sample.advantages, mask)
 
     scaled_advantages = adv_tau * sample.advantages
-    log_gap = None if teacher is None else teacher_log_gap(teacher, trainer)
-    if log_gap is not None:
-        metrics["teacher_kl"] = masked_mean(log_gap.detach(), mask)
-        if teacher_tau > 0:
-            scaled_advantages = scaled_advantages + teacher_tau * log_gap.detach()
+    signal = None
+    if teacher is not None:
+        metrics["teacher_kl"] = masked_mean(teacher_log_gap(teacher, trainer.detach()), mask)
+        if teacher_tau > 0 or teacher_weight > 0:
+            signal = teacher_signal(teacher, trainer, mask)
+    if signal is not None and teacher_tau > 0:
+        scaled_advantages = scaled_advantages + teacher_tau * signal
     per_token = dppo_kl_token_loss(terms, scaled_advantages, mask, kl_tau)
 
-    if log_gap is not None and teacher_weight > 0:
+    if signal is not None and teacher_weight > 0:
         teacher_keep = teacher_keep_mask(terms.probs_diff, mask, teacher_mask_low)
-        per_token = per_token + teacher_weight * teacher_distill_token_loss(log_gap, terms.ratio, teacher_keep)
+        per_token = per_token + teacher_weight * teacher_distill_token_loss(signal, terms.ratio, teacher_keep)
         metrics["composer/teacher_is_masked"] = masked_mean(mask & ~teacher_keep, mask)
     if ce_weight > 0:
         per_token = per_token + ce_weight * cross_entropy_token_loss(trainer, mask)

@@ -120,7 +120,7 @@ class DJNormalizer:
         self.recipe = load_recipe(recipe)
         self.skip_dj = skip_dj
         self.backend: Backend = backend
-        # Native ops are built for both backends: it checks every argument of the ops they share.
+        # Built for both backends: this checks the arguments of every op the native backend knows.
         self._ops: list[NativeOp] = []
         for step in self.recipe.steps:
             if backend == "native" or step.name in NATIVE_OPS:
@@ -134,7 +134,15 @@ class DJNormalizer:
         self.stats = NormalizeSummary()
 
     def normalize(self, records: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
-        """Yield the records the recipe keeps (rewritten by its mappers), in input order."""
+        """Yield the records the recipe keeps (rewritten by its mappers), in input order.
+
+        Each record is checked with :func:`crf_replaysim.records.validate_dj_record` first; a bad one raises
+        ``RecordError`` naming its index.
+        """
+        return self._normalize(self._checked(records))
+
+    def _normalize(self, records: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
+        """:meth:`normalize` without the record check (``records`` are already validated)."""
         self.stats = NormalizeSummary(dropped_per_op={} if self.skip_dj else {s.label: 0 for s in self.recipe.steps})
         if self.skip_dj:
             return self._passthrough(records)
@@ -142,7 +150,7 @@ class DJNormalizer:
             return self._run_native(records)
         from crf_replaysim._dj_executor import run_data_juicer
 
-        return run_data_juicer(self.recipe, self._checked(records), self.stats)
+        return run_data_juicer(self.recipe, records, self.stats)
 
     def _checked(self, records: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
         for index, record in enumerate(records):
@@ -153,7 +161,7 @@ class DJNormalizer:
             yield record
 
     def _passthrough(self, records: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
-        for record in self._checked(records):
+        for record in records:
             self.stats.read += 1
             self.stats.kept += 1
             yield dict(record)
@@ -161,24 +169,31 @@ class DJNormalizer:
     def _run_native(self, records: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
         stats = self.stats
         labels = [step.label for step in self.recipe.steps]
-        seen: dict[int, set[bytes]] = {i: set() for i, op in enumerate(self._ops) if op.kind == "deduplicator"}
-        for record in self._checked(records):
+        plan: list[tuple[int, str, Callable[[str], Any]]] = []  # (kind: 0 filter, 1 dedup, 2 mapper, key, fn)
+        for op in self._ops:
+            if isinstance(op, NativeFilter):
+                plan.append((0, op.text_key, op.keep))
+            elif isinstance(op, NativeDeduplicator):
+                plan.append((1, op.text_key, op.digest))
+            elif isinstance(op, NativeMapper):
+                plan.append((2, op.text_key, op.apply))
+        seen: list[set[bytes]] = [set() for _ in plan]
+        for record in records:
             stats.read += 1
             out = dict(record)
-            for i, op in enumerate(self._ops):
-                key = op.text_key
+            for i, (kind, key, fn) in enumerate(plan):
                 text = pair_text(out) if key == PAIR_FIELD else out[key]
-                if isinstance(op, NativeFilter):
-                    if not op.keep(text):
+                if kind == 0:
+                    if not fn(text):
                         break
-                elif isinstance(op, NativeDeduplicator):
-                    digest = op.digest(text)
+                elif kind == 1:
+                    digest = fn(text)
                     if digest in seen[i]:
                         break
                     seen[i].add(digest)
-                elif isinstance(op, NativeMapper):
-                    out[key] = op.apply(text)
-                    out[f"{key}_messages"] = map_message_text(out[f"{key}_messages"], op.apply)
+                else:
+                    out[key] = fn(text)
+                    out[f"{key}_messages"] = map_message_text(out[f"{key}_messages"], fn)
             else:
                 stats.kept += 1
                 yield out
@@ -228,7 +243,7 @@ def normalize_jsonl(
     normalizer = DJNormalizer(recipe, skip_dj=skip_dj, backend=backend)
     summary = NormalizeSummary()
     with open(output_path, "w", encoding="utf-8") as out:
-        for record in normalizer.normalize(_read_jsonl(input_path, summary, progress)):
+        for record in normalizer._normalize(_read_jsonl(input_path, summary, progress)):
             out.write(json.dumps(record, ensure_ascii=False))
             out.write("\n")
     summary.read = normalizer.stats.read + len(summary.malformed)

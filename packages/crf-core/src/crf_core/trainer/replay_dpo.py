@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from crf_distill import DPO_LOSS_TYPES, avg_sequence_logprob, dpo_loss, sequence_logprob, simpo_loss, token_logprobs
+from crf_core.loss import DPO_VARIANTS  # TRL loss_type names plus "simpo", shared with compose_loss
+
+from crf_distill import avg_sequence_logprob, dpo_loss, sequence_logprob, simpo_loss, token_logprobs
 
 __all__ = [
     "DPO_VARIANTS",
@@ -37,8 +39,6 @@ __all__ = [
     "tokenize_pairs",
 ]
 
-#: Every accepted ``dpo_variant``: crf-distill's TRL ``loss_type`` names plus ``"simpo"``.
-DPO_VARIANTS: tuple[str, ...] = (*DPO_LOSS_TYPES, "simpo")
 
 _REQUIRED = ("prompt", "chosen", "rejected")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-__all__ = ["DEFAULT_ALPHABET", "SPECIAL_TOKENS", "build_char_tokenizer", "build_tiny_causal_lm"]
+__all__ = ["DEFAULT_ALPHABET", "PLAIN_CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_char_tokenizer", "build_tiny_causal_lm"]
 
 #: Printable ASCII (letters, digits, punctuation, space) plus newline and tab.
 DEFAULT_ALPHABET: str = string.ascii_letters + string.digits + string.punctuation + " \n\t"
@@ -21,12 +21,17 @@ DEFAULT_ALPHABET: str = string.ascii_letters + string.digits + string.punctuatio
 #: Special tokens, in id order: padding, beginning/end of sequence, unknown character.
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 
+#: Chat template of the character tokenizer: the message contents back to back, no role markers and no
+#: generation prompt, so a one-user-message conversation renders exactly as its plain-text prompt.
+PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
     """Return a fast tokenizer that maps each character of ``alphabet`` to one token.
 
     Ids: ``SPECIAL_TOKENS`` first (``<pad>`` = 0), then ``alphabet`` in order. Decoding joins
-    tokens without separators, so ``decode(encode(s)) == s`` for strings over the alphabet.
+    tokens without separators, so ``decode(encode(s)) == s`` for strings over the alphabet. The chat
+    template is :data:`PLAIN_CHAT_TEMPLATE`.
     """
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
@@ -40,7 +45,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
         vocab[ch] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
         bos_token="<bos>",
@@ -48,6 +53,8 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
         unk_token="<unk>",
         padding_side="left",
     )
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_tiny_causal_lm(

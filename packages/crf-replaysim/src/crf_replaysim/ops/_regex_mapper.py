@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-import regex
+from typing import Any, ClassVar
 
 from crf_replaysim.ops._base import NativeMapper, RecipeError
 
@@ -28,8 +26,10 @@ class RegexSubstitutionMapper(NativeMapper):
             pattern = pattern[2:-1]
         if not isinstance(repl, str):
             raise RecipeError(f"{self.name}: repl must be a string, got {repl!r}.")
+        import regex  # data-juicer's regex engine (``\p{..}``, its ``\w``/``\b``); imported only when needed
+
         try:
-            self.regex = regex.compile(pattern, flags=regex.DOTALL)
+            self.regex: Any = regex.compile(pattern, flags=regex.DOTALL)
         except regex.error as err:
             raise RecipeError(f"{self.name}: pattern {pattern!r} is not a valid regular expression ({err}).") from err
         self.repl = repl

@@ -19,9 +19,15 @@ SPECIAL_CHARACTERS: frozenset[str] = frozenset(
 _WORD_SEPARATORS = re.compile("[ \n\t]+")
 _SEPARATOR_CHARS = " \n\t"
 _ASCII_SPECIAL = bytes(cp for cp in range(128) if chr(cp) in SPECIAL_CHARACTERS)
-_ASCII_SPECIAL_STR = _ASCII_SPECIAL.decode("ascii")
 _ASCII_SPECIAL_NOT_SEPARATOR = bytes(b for b in _ASCII_SPECIAL if chr(b) not in _SEPARATOR_CHARS)
 _ASCII_NON_ALNUM = bytes(cp for cp in range(128) if not chr(cp).isalnum())
+_ASCII_WORD_CHAR = "".join(re.escape(chr(cp)) for cp in range(128) if chr(cp) not in SPECIAL_CHARACTERS)
+_ASCII_INNER_SPECIAL = "".join(re.escape(chr(b)) for b in _ASCII_SPECIAL_NOT_SEPARATOR)
+# A refined word of ASCII text: from the first to the last non-special character of a separator-free run
+# (the greedy middle cannot cross a separator, and a run without a non-special character yields nothing).
+_ASCII_REFINED_WORD = re.compile(
+    f"[{_ASCII_WORD_CHAR}](?:[{_ASCII_WORD_CHAR}{_ASCII_INNER_SPECIAL}]*[{_ASCII_WORD_CHAR}])?"
+)
 _DELETE_SPECIAL_NOT_SEPARATOR = {ord(c): None for c in SPECIAL_CHARACTERS if c not in _SEPARATOR_CHARS}
 _is_special = SPECIAL_CHARACTERS.__contains__
 
@@ -69,10 +75,7 @@ def strip_special(word: str) -> str:
 def refined_words(text: str, *, lower_case: bool = False) -> list[str]:
     """Words of ``text`` (optionally lower-cased) with special characters stripped from both ends; empties dropped."""
     if text.isascii():  # all ASCII: only ASCII special characters can be stripped, and lower() is per byte
-        if lower_case:
-            text = text.lower()
-        stripped = (w.strip(_ASCII_SPECIAL_STR) for w in text.replace("\n", " ").replace("\t", " ").split(" "))
-        return [w for w in stripped if w]
+        return _ASCII_REFINED_WORD.findall(text.lower() if lower_case else text)
     out: list[str] = []
     for word in split_words(text):
         if lower_case:

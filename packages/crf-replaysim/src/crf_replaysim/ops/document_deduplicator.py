@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import string
-from typing import ClassVar
-
-import regex
+from typing import Any, ClassVar
 
 from crf_replaysim.ops._base import NativeDeduplicator, check_bool
-
-_NON_CHARACTER = regex.compile(r"\s+|\d+|[" + regex.escape(string.punctuation) + "]")
 
 
 class DocumentDeduplicator(NativeDeduplicator):
@@ -27,10 +23,15 @@ class DocumentDeduplicator(NativeDeduplicator):
         super().__init__(text_key=text_key)
         self.lowercase = check_bool(self.name, "lowercase", lowercase)
         self.ignore_non_character = check_bool(self.name, "ignore_non_character", ignore_non_character)
+        self._non_character: Any = None
+        if self.ignore_non_character:
+            import regex  # data-juicer's regex engine; imported only when needed
+
+            self._non_character = regex.compile(r"\s+|\d+|[" + regex.escape(string.punctuation) + "]")
 
     def digest(self, text: str) -> bytes:
         if self.lowercase:
             text = text.lower()
         if self.ignore_non_character:
-            text = _NON_CHARACTER.sub("", text)
+            text = self._non_character.sub("", text)
         return hashlib.md5(text.strip().encode("utf-8"), usedforsecurity=False).digest()

@@ -10,6 +10,7 @@ as data-juicer 1.6.1's ``WordRepetitionFilter`` with ``tokenization=False``.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import ClassVar
 
@@ -55,6 +56,8 @@ class WordRepetitionFilter(NativeFilter):
         total = len(words) - n + 1
         if total <= 0:
             return 0.0
+        if n > 1 and len(set(itertools.pairwise(words))) == len(words) - 1:
+            return 0.0  # a repeated n-gram starts with a repeated bigram; there is none
         # n-grams as tuples: words never contain a space, so tuples compare as data-juicer's " "-joined strings
         counts = Counter(zip(*(words[i:] for i in range(n)), strict=False)).values()  # ragged on purpose
         return sum(c for c in counts if c > 1) / total

