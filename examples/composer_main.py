@@ -157,6 +157,44 @@ def build_policy(name: str, seed: int) -> tuple[Any, Any]:
     raise SystemExit(f"unknown --model {name!r}; use 'tiny' or 'smollm2-135m'")
 
 
+def warm_start(model: Any, tokenizer: Any, pairs: Path, steps: int, lr: float, seed: int) -> float:
+    """Supervised warm start on the teacher side of the replayed pairs (the usual "SFT, then RL").
+
+    Trains ``steps`` AdamW steps of next-token cross-entropy on ``prompt + chosen + EOS`` (loss on the
+    answer only), so the tiny random policy writes Python often enough for rewards to be non-zero.
+    Returns the last loss.
+    """
+    import random
+
+    import torch
+
+    from crf_core.trainer.replay_dpo import load_pair_records
+
+    records = load_pair_records(pairs)
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss_value = float("nan")
+    model.train()
+    for _ in range(steps):
+        batch = rng.sample(records, k=min(8, len(records)))
+        rows, labels = [], []
+        for record in batch:
+            prompt = tokenizer(record["prompt_messages"][-1]["content"])["input_ids"]
+            answer = tokenizer(record["chosen"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rows.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+        mask = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
+        loss = model(input_ids=ids, attention_mask=mask, labels=target).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        loss_value = float(loss.detach())
+    return loss_value
+
+
 # --------------------------------------------------------------------------- one replica
 @dataclass
 class ReplicaResult:
@@ -189,8 +227,12 @@ def _progress_callback(rank: int, total: int, result: ReplicaResult, start: floa
     return Progress()
 
 
-def run_replica(rank: int, opts: argparse.Namespace, pairs: Path, tasks: list[dict[str, Any]], store: str) -> ReplicaResult:
-    """Train one replica inside torchft's DiLoCo, synchronised through the object store."""
+def run_replica(
+    rank: int, opts: argparse.Namespace, pairs: Path, tasks: list[dict[str, Any]], store: str, policy: tuple[Any, Any]
+) -> ReplicaResult:
+    """Train one replica (its own copy of ``policy``) inside torchft's DiLoCo, synced through the object store."""
+    import copy
+
     import torch
     from crf_diloco.allreduce import ObjectStoreAllReduce
     from crf_diloco.manager import MockManager
@@ -202,7 +244,7 @@ def run_replica(rank: int, opts: argparse.Namespace, pairs: Path, tasks: list[di
 
     result = ReplicaResult(rank)
     start = time.monotonic()
-    model, tokenizer = build_policy(opts.model, seed=opts.seed)  # same initial weights on every replica
+    model, tokenizer = copy.deepcopy(policy[0]), policy[1]  # same initial weights on every replica
     rows = [{"prompt": t["prompt"], "tests": t["tests"]} for t in tasks]
     config = ComposerConfig(
         output_dir=str(Path(opts.output_dir) / f"replica{rank}"),
@@ -232,6 +274,9 @@ def run_replica(rank: int, opts: argparse.Namespace, pairs: Path, tasks: list[di
         train_dataset=Dataset.from_list(rows * 50),
         processing_class=tokenizer,
     )
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # the progress callback prints a compact line instead
     trainer.add_callback(_progress_callback(rank, opts.steps, result, start))
     allreduce = ObjectStoreAllReduce(store, rank, opts.replicas, run_id=opts.run_id, timeout=opts.sync_timeout)
     manager = MockManager(allreduce)
@@ -316,11 +361,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="inner (AdamW) learning rate")
     parser.add_argument("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
     parser.add_argument("--sync-timeout", type=float, default=120.0, help="seconds a DiLoCo round may wait for peers")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-start steps on the teacher answers before RL (default 40; quick 10; 0 = none)")
+    parser.add_argument("--warmup-lr", type=float, default=3e-3, help="warm-start learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-id", default=None, help="store prefix of this run (default: a fresh one)")
     opts = parser.parse_args(argv)
     opts.steps = opts.steps or (4 if opts.quick else 40)
     opts.sync_every = opts.sync_every or (2 if opts.quick else 10)
+    if opts.warmup_steps is None:
+        opts.warmup_steps = 10 if opts.quick else 40
     if opts.replicas < 1 or opts.steps < 1 or opts.sync_every < 1:
         parser.error("--replicas, --steps and --sync-every must be >= 1")
     opts.run_id = opts.run_id or f"main-{int(time.time())}-{os.getpid()}"
@@ -340,12 +389,16 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
           f"store {store}, output {output}", flush=True)
     tasks = load_tasks()
     pairs = build_trace_pairs(output, tasks, opts.teacher_url, opts.teacher_model)
+    policy = build_policy(opts.model, seed=opts.seed)
+    if opts.warmup_steps:
+        loss = warm_start(*policy, pairs, opts.warmup_steps, opts.warmup_lr, opts.seed)
+        print(f"warm start: {opts.warmup_steps} supervised steps on the teacher answers, loss {loss:.3f}", flush=True)
 
     results: list[ReplicaResult] = [ReplicaResult(rank) for rank in range(opts.replicas)]
 
     def target(rank: int) -> None:
         try:
-            results[rank] = run_replica(rank, opts, pairs, tasks, store)
+            results[rank] = run_replica(rank, opts, pairs, tasks, store, policy)
         except BaseException as exc:  # surfaced after join
             results[rank].error = exc
 

@@ -1,6 +1,7 @@
 """A replica process for the fault tests: runs allreduce rounds and logs every outcome as JSON lines.
 
-Usage: ``python replica_worker.py URI RANK WORLD_SIZE LAST_ROUND LOG [--die-before-data ROUND]``.
+Usage: ``python replica_worker.py URI RANK WORLD_SIZE LAST_ROUND LOG STOP_FILE [--die-before-data ROUND]``.
+Runs rounds until LAST_ROUND or until STOP_FILE exists, sleeping 0.1 s between rounds (compute).
 Inputs are deterministic per (rank, round), so the test can recompute the expected mean.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -23,8 +25,8 @@ def inputs(rank: int, round_id: int) -> torch.Tensor:
 
 
 def main(argv: list[str]) -> None:
-    uri, rank, world_size, last_round, log = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    die_round = int(argv[6]) if len(argv) > 6 and argv[5] == "--die-before-data" else None
+    uri, rank, world_size, last_round, log, stop = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4], argv[5]
+    die_round = int(argv[7]) if len(argv) > 7 and argv[6] == "--die-before-data" else None
     ar = ObjectStoreAllReduce(uri, rank, world_size, timeout=4.0, quorum_timeout=1.0, poll_interval=0.02)
     if die_round is not None:
         original = ar.store.put_create
@@ -39,8 +41,9 @@ def main(argv: list[str]) -> None:
     with open(log, "a") as out:
         while True:
             round_id = ar.round_id
-            if round_id > last_round:
+            if round_id > last_round or os.path.exists(stop):
                 break
+            time.sleep(0.1)
             t = inputs(rank, round_id)
             record: dict[str, object] = {"rank": rank, "round": round_id}
             try:

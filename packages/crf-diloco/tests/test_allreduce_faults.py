@@ -211,30 +211,35 @@ def _read_logs(paths: list[Path]) -> dict[int, list[dict[str, Any]]]:
     return by_round
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_replica_process_killed_mid_round_survivors_continue_and_restart_rejoins(tmp_path: Path) -> None:
     """Real processes on a local folder: rank 1 is killed mid-round 1 (announced, in the quorum, no
     payload). Round 1 aborts on every survivor; ranks 0 and 2 go on with two participants; a
     restarted rank 1 joins the round the others are in and later rounds have three participants."""
-    uri, last = str(tmp_path / "store"), 6
+    uri, stop = str(tmp_path / "store"), tmp_path / "stop"
     logs = [tmp_path / f"rank{r}.jsonl" for r in range(3)]
     restart_log = tmp_path / "rank1-restarted.jsonl"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def spawn(rank: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, str(WORKER), uri, str(rank), "3", str(last), str(log), *extra]
+        cmd = [sys.executable, str(WORKER), uri, str(rank), "3", "400", str(log), str(stop), *extra]
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def wait_for(path: Path, predicate: Callable[[dict[str, Any]], bool], what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not (path.exists() and any(predicate(json.loads(x)) for x in path.read_text().splitlines())):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
 
     procs = [spawn(0, logs[0]), spawn(1, logs[1], "--die-before-data", "1"), spawn(2, logs[2])]
     try:
         assert procs[1].wait(timeout=120) == 17, "rank 1 was killed mid-round"
-        decision = Path(uri) / "default" / "r00000002" / "decision.json"
-        deadline = time.monotonic() + 120
-        while not decision.exists():
-            assert time.monotonic() < deadline, "survivors did not get past round 2"
-            time.sleep(0.05)
-        restarted = spawn(1, restart_log)
-        for p in (procs[0], procs[2], restarted):
+        wait_for(logs[0], lambda rec: rec["outcome"] == "commit" and rec["participants"] == [0, 2], "survivors go on")
+        procs.append(spawn(1, restart_log))
+        wait_for(restart_log, lambda rec: rec["outcome"] == "commit" and rec["participants"] == [0, 1, 2], "rejoin")
+        stop.touch()
+        for p in (procs[0], procs[2], procs[3]):
             out = p.communicate(timeout=120)[0]
             assert p.returncode == 0, out.decode()[-2000:]
     finally:
@@ -243,8 +248,7 @@ def test_replica_process_killed_mid_round_survivors_continue_and_restart_rejoins
                 p.kill()
 
     by_round = _read_logs([*logs, restart_log])
-    assert sorted(by_round) == list(range(last + 1))
-    assert {rec["outcome"] for rec in by_round[1]} == {"abort"}
+    assert {rec["outcome"] for rec in by_round[1]} == {"abort"}, "the round rank 1 died in aborts on every survivor"
     for round_id, recs in by_round.items():
         outcomes = {rec["outcome"] for rec in recs}
         assert len(outcomes) == 1, f"round {round_id}: replicas disagree {outcomes}"
@@ -256,7 +260,3 @@ def test_replica_process_killed_mid_round_survivors_continue_and_restart_rejoins
             g = [torch.Generator().manual_seed(100_003 * r + round_id) for r in participants]
             expect = sum(torch.randn(257, generator=gen).double() for gen in g) / len(participants)
             torch.testing.assert_close(values[0].double(), expect, rtol=1e-6, atol=1e-6)
-    assert [rec["participants"] for rec in by_round[2]][0] == [0, 2], "survivors continue with two"
-    restarted_rounds = [json.loads(line) for line in restart_log.read_text().splitlines()]
-    assert restarted_rounds and restarted_rounds[-1]["outcome"] == "commit"
-    assert by_round[last][0]["participants"] == [0, 1, 2], "the restarted replica rejoined"

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from crf_replaysim._synthetic import synthetic_dj_records
 from crf_replaysim.normalize import DJNormalizer
@@ -127,6 +129,55 @@ def test_dedup_digest_equals_data_juicer(args: dict[str, Any], texts: list[str])
     native = OPS["document_deduplicator"](text_key="text", **args)
     theirs = [dj.compute_hash({"text": t})["__dj__hash"] for t in texts]
     assert [native.digest(t).hex() for t in texts] == theirs
+
+
+_PIECES = st.sampled_from(
+    [
+        *" \t\n\r\x0b\x0c\x1c\x85\xa0\u2003\u200b\u3000\ufffc.,;:!?'\"()[]{}<>@/\\-_#%&*+=|~`^$",
+        *("😀", "👩\u200d💻", "©", "…", "—", "«", "»", "é", "e\u0301", "ß", "İ", "Σ", "ς", "日本", "ﬁ", "K", "Ⅻ", "٣"),
+        *("www.", "http://", "https://a.b/", ".com/", "@", "x@y.org", "a.b@c.de", "(", ")"),
+    ]
+)
+_TEXT = st.lists(
+    st.one_of(_PIECES, st.text(max_size=6), st.sampled_from(["the", "cat", "THE", "Cat", "sat"])), max_size=40
+).map("".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts=st.lists(_TEXT, min_size=1, max_size=8))
+def test_random_text_ops_equal_data_juicer(texts: list[str]) -> None:
+    """Property: on arbitrary text, every native statistic, rewrite and digest equals data-juicer's."""
+    for name, args in [
+        *FILTER_CONFIGS,
+        ("word_repetition_filter", {"rep_len": 1}),
+        ("character_repetition_filter", {"rep_len": 1}),
+    ]:
+        samples = _cached_dj_op(name, args).compute_stats_batched(
+            {"text": list(texts), "__dj__stats__": [{} for _ in texts]}
+        )
+        native = OPS[name](text_key="text", **args)
+        assert [native.stat(t) for t in texts] == [s[native.stat_name] for s in samples["__dj__stats__"]], name
+    for name in ("whitespace_normalization_mapper", "clean_email_mapper", "clean_links_mapper"):
+        theirs = _cached_dj_op(name, {}).process_batched({"text": list(texts)})["text"]
+        assert [OPS[name](text_key="text").apply(t) for t in texts] == list(theirs), name
+    dedup = OPS["document_deduplicator"](text_key="text", lowercase=True, ignore_non_character=True)
+    theirs_hash = [
+        _cached_dj_op("document_deduplicator", {"lowercase": True, "ignore_non_character": True}).compute_hash(
+            {"text": t}
+        )["__dj__hash"]
+        for t in texts
+    ]
+    assert [dedup.digest(t).hex() for t in texts] == theirs_hash
+
+
+_DJ_OPS: dict[str, Any] = {}
+
+
+def _cached_dj_op(name: str, args: dict[str, Any]) -> Any:
+    key = json.dumps([name, args], sort_keys=True)
+    if key not in _DJ_OPS:
+        _DJ_OPS[key] = _dj_op(name, **args)
+    return _DJ_OPS[key]
 
 
 # --------------------------------------------------------------------------- executor level

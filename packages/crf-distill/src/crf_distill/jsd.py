@@ -107,7 +107,8 @@ def generalized_jsd(
         top_k: student top-k support (SDPO yaml: 100), ``None`` = full vocabulary.
         add_tail: with ``top_k``, add the tail bucket (default, as SDPO) or renormalise.
         is_clip: enable the detached truncated IS weight (SDPO yaml: 2.0); needs ``labels`` (sampled
-            token ids, same shape as ``mask``) and ``old_logprobs`` (their behaviour log-probs).
+            token ids, same shape as ``mask``; -100 allowed at masked positions) and ``old_logprobs``
+            (their behaviour log-probs).
         sample_mask: optional ``(B,)`` 1/0 per sample (SDPO ``self_distillation_mask``); multiplies ``mask``.
         aggregation, num_items: see :func:`crf_distill.aggregate`.
 
@@ -126,7 +127,7 @@ def generalized_jsd(
                 "`is_clip` needs `labels` (sampled token ids) and `old_logprobs` (their behaviour log-probs); "
                 "pass both or set is_clip=None"
             )
-        student_lp = token_logprobs(student_logits, labels, ignore_index=None)
+        student_lp = token_logprobs(student_logits, labels)
         per_token = per_token * is_ratio_weight(student_lp, old_logprobs, is_clip)
     elif labels is not None or old_logprobs is not None:
         raise ValueError("`labels`/`old_logprobs` are only used with `is_clip`; set is_clip or drop them")

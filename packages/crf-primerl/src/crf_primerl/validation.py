@@ -65,35 +65,33 @@ def read_sample(inputs: object) -> Sample:
             "both teacher_logprobs and ref_logprobs are set; they are the same signal under PRIME-RL's "
             "old and new names: set only one"
         )
-    sample = Sample(
-        trainer_logprobs=getattr(inputs, "trainer_logprobs"),  # noqa: B009
-        inference_logprobs=getattr(inputs, "inference_logprobs"),  # noqa: B009
-        advantages=getattr(inputs, "advantages"),  # noqa: B009
-        loss_mask=getattr(inputs, "loss_mask"),  # noqa: B009
-        teacher_logprobs=getattr(inputs, teacher_fields[0]) if teacher_fields else None,
-        loss_weights=getattr(inputs, "loss_weights", None),
-    )
-    named = _named_tensors(sample, teacher_fields[0] if teacher_fields else "teacher_logprobs")
+    teacher_name = teacher_fields[0] if teacher_fields else ""
+    raw: dict[str, object] = {name: getattr(inputs, name) for name in _REQUIRED_FIELDS}
+    if teacher_name:
+        raw[teacher_name] = getattr(inputs, teacher_name)
+    weights = getattr(inputs, "loss_weights", None)
+    if weights is not None:
+        raw["loss_weights"] = weights
+    named = _as_tensors(raw)
     _check_structure(named)
     _check_values(named)
-    return sample
+    return Sample(
+        trainer_logprobs=named["trainer_logprobs"],
+        inference_logprobs=named["inference_logprobs"],
+        advantages=named["advantages"],
+        loss_mask=named["loss_mask"],
+        teacher_logprobs=named.get(teacher_name),
+        loss_weights=named.get("loss_weights"),
+    )
 
 
-def _named_tensors(sample: Sample, teacher_name: str) -> dict[str, Tensor]:
-    named: dict[str, object] = {
-        "trainer_logprobs": sample.trainer_logprobs,
-        "inference_logprobs": sample.inference_logprobs,
-        "advantages": sample.advantages,
-        "loss_mask": sample.loss_mask,
-    }
-    if sample.teacher_logprobs is not None:
-        named[teacher_name] = sample.teacher_logprobs
-    if sample.loss_weights is not None:
-        named["loss_weights"] = sample.loss_weights
-    for name, value in named.items():
+def _as_tensors(raw: dict[str, object]) -> dict[str, Tensor]:
+    named: dict[str, Tensor] = {}
+    for name, value in raw.items():
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape (seq,), got {type(value).__name__}")
-    return named  # type: ignore[return-value]
+        named[name] = value
+    return named
 
 
 def _check_structure(named: dict[str, Tensor]) -> None:

@@ -23,10 +23,13 @@ import json
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crf_replaysim.ops import RecipeError
 from crf_replaysim.ops._recipe import FLAT_TEXT_FIELDS, PAIR_FIELD, Recipe, RecipeStep
+
+if TYPE_CHECKING:
+    from crf_replaysim.normalize import NormalizeSummary
 
 _ROW = "__crf_row__"
 _DJ_COLUMNS = ("__dj__stats__", "__dj__hash")
@@ -177,12 +180,14 @@ def _map_messages_with(op: Any, messages: list[Any]) -> list[Any]:
     return map_message_text(messages, lambda _text: next(rewritten))
 
 
-def run_data_juicer(recipe: Recipe, records: Iterable[Mapping[str, Any]], stats: Any) -> Iterator[dict[str, Any]]:
+def run_data_juicer(
+    recipe: Recipe, records: Iterable[Mapping[str, Any]], stats: NormalizeSummary
+) -> Iterator[dict[str, Any]]:
     """Run ``recipe`` over ``records`` with data-juicer's executor; yield the kept records in input order."""
     yield from _execute(recipe, records, stats)
 
 
-def _execute(recipe: Recipe, records: Iterable[Mapping[str, Any]], stats: Any) -> list[dict[str, Any]]:
+def _execute(recipe: Recipe, records: Iterable[Mapping[str, Any]], stats: NormalizeSummary) -> list[dict[str, Any]]:
     lazy_loader = _import_data_juicer()
     settings = dict(recipe.settings)
     if settings.get("executor_type", "default") != "default":
