@@ -95,8 +95,11 @@ def _closure(package: str, extras: list[str]) -> list[str]:
     return seen
 
 
-def _needs_torch(packages: list[str]) -> bool:
-    return any(_req_name(r) == "torch" for p in packages for r in _project(p).get("dependencies", []))
+def _needs_torch(packages: list[str], groups: tuple[str, ...] = ()) -> bool:
+    reqs = [r for p in packages for r in _project(p).get("dependencies", [])]
+    declared = nox.project.load_toml(ROOT / "pyproject.toml")["dependency-groups"]
+    reqs += [r for g in groups for r in declared.get(g, []) if isinstance(r, str)]
+    return any(_req_name(r) == "torch" for r in reqs)
 
 
 def _local_torch_wheel(python: str) -> Path | None:
@@ -135,7 +138,7 @@ def install(
     """
     members = PACKAGES if package is None else _closure(package, extras)
     python = str(session.python or CI_PYTHON)
-    wheel = _local_torch_wheel(python) if _needs_torch(members) else None
+    wheel = _local_torch_wheel(python) if _needs_torch(members, groups) else None
     prune = ["--prune", "torch"] if wheel else []
     targets = [package] if package else members
     for target in targets:
@@ -143,7 +146,7 @@ def install(
         extra_args = [f"--extra={e}" for e in chosen]
         session.install("-r", str(_export(session, "--package", target, *extra_args, *prune)))
     for group in groups:
-        session.install("-r", str(_export(session, "--only-group", group)))
+        session.install("-r", str(_export(session, "--only-group", group, *prune)))
     if wheel:
         session.install(str(wheel))
     if editable:
@@ -197,7 +200,7 @@ def dj(session: nox.Session) -> None:
     # data-juicer installs missing op dependencies at run time; everything it needs is already here, so forbid it.
     session.env["UV_OFFLINE"] = "1"
     session.env["PIP_NO_INDEX"] = "1"
-    run_pytest(session, _tests_dirs(["crf-replaysim"]))
+    run_pytest(session, _tests_dirs(["crf-replaysim"]), "-m", "integration")
 
 
 @nox.session(python=CI_PYTHON, tags=["ci"])

@@ -102,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             ratio = dj["wall_s"] / native["wall_s"]
             print(f"kept records identical: {same}")
             print(
-                f"native wall time = 1/{ratio:.1f} of data-juicer's (target: at most 1/25) -> {'ok' if ratio >= 25 else 'MISSED'}"
+                f"native CPU time = 1/{dj['cpu_s'] / native['cpu_s']:.1f} of data-juicer's (its worker processes included)"
             )
+            verdict = "ok" if ratio >= 25 else "MISSED"
+            print(f"native wall time = 1/{ratio:.1f} of data-juicer's (target: at most 1/25) -> {verdict}")
             return 0 if same else 1
     return 0
 

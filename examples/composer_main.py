@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 DATA = Path(__file__).resolve().parent / "data"
 CHANNELS = ("grpo", "sdpo_jsd", "trace_replay_dpo")
@@ -58,7 +58,7 @@ def load_tasks(path: Path = DATA / "coding_tasks.jsonl") -> list[dict[str, Any]]
 
 
 class _OracleHandler(BaseHTTPRequestHandler):
-    solutions: dict[str, str] = {}
+    solutions: ClassVar[dict[str, str]] = {}
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
@@ -104,7 +104,9 @@ def oracle_teacher(tasks: Sequence[dict[str, Any]]) -> Iterator[str]:
         thread.join(timeout=5)
 
 
-def build_trace_pairs(workdir: Path, tasks: Sequence[dict[str, Any]], teacher_url: str | None, teacher_model: str) -> Path:
+def build_trace_pairs(
+    workdir: Path, tasks: Sequence[dict[str, Any]], teacher_url: str | None, teacher_model: str
+) -> Path:
     """Replay the shipped traces against the teacher and normalise the pairs; returns the pair file."""
     from crf_replaysim import TeacherClient, normalize_jsonl, replay_jsonl
 
@@ -160,15 +162,18 @@ def build_policy(name: str, seed: int) -> tuple[Any, Any]:
 def warm_start(model: Any, tokenizer: Any, pairs: Path, steps: int, lr: float, seed: int) -> float:
     """Supervised warm start on the teacher side of the replayed pairs (the usual "SFT, then RL").
 
-    Trains ``steps`` AdamW steps of next-token cross-entropy on ``prompt + chosen + EOS`` (loss on the
-    answer only), so the tiny random policy writes Python often enough for rewards to be non-zero.
-    Returns the last loss.
+    Each batch mixes ``prompt + answer`` rows with rows in the SDPO reprompt format
+    (``reprompt(prompt, demonstration=answer) + answer``), so the policy both writes Python often
+    enough for rewards to be non-zero and can read a demonstration in its context, which is what
+    makes its feedback-conditioned self-teacher informative (SDPO presupposes an instruction-following
+    model). Loss on the answer tokens only; AdamW. Returns the last loss.
     """
     import random
 
     import torch
 
     from crf_core.trainer.replay_dpo import load_pair_records
+    from crf_core.trainer.reprompt import build_reprompts
 
     records = load_pair_records(pairs)
     rng = random.Random(seed)
@@ -177,12 +182,20 @@ def warm_start(model: Any, tokenizer: Any, pairs: Path, steps: int, lr: float, s
     model.train()
     for _ in range(steps):
         batch = rng.sample(records, k=min(8, len(records)))
-        rows, labels = [], []
+        contexts, answers = [], []
         for record in batch:
-            prompt = tokenizer(record["prompt_messages"][-1]["content"])["input_ids"]
-            answer = tokenizer(record["chosen"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            rows.append(prompt + answer)
-            labels.append([-100] * len(prompt) + answer)
+            prompt = record["prompt_messages"][-1]["content"]
+            other = rng.choice(records)  # a demonstration in the context is not always the answer
+            demo = record["chosen"] if rng.random() < 0.75 else other["chosen"]
+            teacher = build_reprompts([prompt] * 2, [demo, ""], [1.0, 0.0], None, 2).reprompts[1].prompt
+            contexts += [prompt, str(teacher)]
+            answers += [record["chosen"]] * 2
+        rows, labels = [], []
+        for context, answer in zip(contexts, answers, strict=True):
+            head = tokenizer(context)["input_ids"]
+            tail = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rows.append(head + tail)
+            labels.append([-100] * len(head) + tail)
         width = max(map(len, rows))
         ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
         target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
@@ -234,13 +247,13 @@ def run_replica(
     import copy
 
     import torch
-    from crf_diloco.allreduce import ObjectStoreAllReduce
-    from crf_diloco.manager import MockManager
     from datasets import Dataset
     from torchft.local_sgd import DiLoCo
 
     from crf_core.rewards import UnitTestReward
     from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
+    from crf_diloco.allreduce import ObjectStoreAllReduce
+    from crf_diloco.manager import MockManager
 
     result = ReplicaResult(rank)
     start = time.monotonic()
@@ -251,6 +264,7 @@ def run_replica(
         per_device_train_batch_size=opts.generations * 2,
         num_generations=opts.generations,
         max_completion_length=opts.max_completion_length,
+        temperature=opts.temperature,
         max_steps=opts.steps,
         learning_rate=opts.lr,
         logging_steps=1,
@@ -261,10 +275,11 @@ def run_replica(
         gradient_checkpointing=False,
         seed=opts.seed + 101 * rank,  # each replica samples its own rollouts and data order
         sdpo_top_k=20,
-        trace_replay_dpo_weight=1.0,
-        trace_replay_path=str(pairs),
+        grpo_weight=opts.grpo_weight,
+        sdpo_weight=opts.sdpo_weight,
+        trace_replay_dpo_weight=opts.dpo_weight,
+        trace_replay_path=str(pairs) if opts.dpo_weight > 0 else None,
         trace_replay_batch_size=4,
-        dpo_beta=0.5,
     )
     reward = UnitTestReward(timeout_s=opts.sandbox_timeout, max_workers=1)
     trainer = ComposerReplicationTrainer(
@@ -314,7 +329,7 @@ def summary_table(results: Sequence[ReplicaResult]) -> str:
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     line = "+".join("-" * (w + 2) for w in widths)
-    fmt = lambda cells: "|".join(f" {c:<{w}} " for c, w in zip(cells, widths))  # noqa: E731
+    fmt = lambda cells: "|".join(f" {c:<{w}} " for c, w in zip(cells, widths, strict=True))  # noqa: E731
     return "\n".join([line, fmt(header), line, *(fmt(row) for row in rows), line])
 
 
@@ -326,11 +341,11 @@ def plot(results: Sequence[ReplicaResult], path: Path, sync_every: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
-    for ax, key in zip(axes.flat, ("reward", *CHANNELS)):
+    for ax, key in zip(axes.flat, ("reward", *CHANNELS), strict=False):
         for r in results:
             points = [(row["step"], row[key]) for row in r.history if key in row]
             if points:
-                ax.plot(*zip(*points), label=f"replica {r.rank}")
+                ax.plot(*zip(*points, strict=False), label=f"replica {r.rank}")
         steps = max((row["step"] for r in results for row in r.history), default=0)
         for s in range(sync_every, int(steps) + 1, sync_every):
             ax.axvline(s, color="grey", linestyle="--", linewidth=0.6)
@@ -345,23 +360,46 @@ def plot(results: Sequence[ReplicaResult], path: Path, sync_every: int) -> None:
 
 # --------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", default=os.environ.get("CRF_QUICK") == "1",
-                        help="CI-sized run (< 60 s): 4 steps, sync every 2 (also CRF_QUICK=1)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=os.environ.get("CRF_QUICK") == "1",
+        help="CI-sized run (< 60 s): 4 steps, sync every 2 (also CRF_QUICK=1)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per replica (default 40; quick 4)")
-    parser.add_argument("--sync-every", type=int, default=None, help="inner steps per DiLoCo round (default 10; quick 2)")
+    parser.add_argument(
+        "--sync-every", type=int, default=None, help="inner steps per DiLoCo round (default 10; quick 2)"
+    )
     parser.add_argument("--replicas", type=int, default=2, help="DiLoCo replicas (threads), default 2")
-    parser.add_argument("--store", default=None, help="fsspec URI of the object store (default: <output-dir>/store; e.g. s3://bucket/prefix)")
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="fsspec URI of the object store (default: <output-dir>/store; e.g. s3://bucket/prefix)",
+    )
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2-135m"), help="policy to train")
     parser.add_argument("--output-dir", default=None, help="where the plot, logs and store go (default: a temp folder)")
-    parser.add_argument("--teacher-url", default=None, help="OpenAI-compatible /v1 URL of a real replay teacher (default: local oracle)")
+    parser.add_argument(
+        "--teacher-url", default=None, help="OpenAI-compatible /v1 URL of a real replay teacher (default: local oracle)"
+    )
     parser.add_argument("--teacher-model", default="reference-solutions", help="teacher model name for --teacher-url")
     parser.add_argument("--generations", type=int, default=4, help="rollouts per prompt (GRPO group size)")
     parser.add_argument("--max-completion-length", type=int, default=10, help="tokens per rollout")
-    parser.add_argument("--lr", type=float, default=3e-3, help="inner (AdamW) learning rate")
+    parser.add_argument("--lr", type=float, default=5e-4, help="inner (AdamW) learning rate of the RL phase")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the rollouts")
+    parser.add_argument("--grpo-weight", type=float, default=1.0, help="weight of channel grpo (0 = off)")
+    parser.add_argument("--sdpo-weight", type=float, default=1.0, help="weight of channel sdpo_jsd (0 = off)")
+    parser.add_argument("--dpo-weight", type=float, default=1.0, help="weight of channel trace_replay_dpo (0 = off)")
     parser.add_argument("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
     parser.add_argument("--sync-timeout", type=float, default=120.0, help="seconds a DiLoCo round may wait for peers")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-start steps on the teacher answers before RL (default 40; quick 10; 0 = none)")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="supervised warm-start steps on the teacher answers before RL (default 40; quick 10; 0 = none)",
+    )
     parser.add_argument("--warmup-lr", type=float, default=3e-3, help="warm-start learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-id", default=None, help="store prefix of this run (default: a fresh one)")
@@ -385,8 +423,11 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
     output.mkdir(parents=True, exist_ok=True)
     opts.output_dir = str(output)
     store = opts.store or str(output / "store")
-    print(f"crf main job: {opts.replicas} replicas x {opts.steps} steps, DiLoCo sync every {opts.sync_every}, "
-          f"store {store}, output {output}", flush=True)
+    print(
+        f"crf main job: {opts.replicas} replicas x {opts.steps} steps, DiLoCo sync every {opts.sync_every}, "
+        f"store {store}, output {output}",
+        flush=True,
+    )
     tasks = load_tasks()
     pairs = build_trace_pairs(output, tasks, opts.teacher_url, opts.teacher_model)
     policy = build_policy(opts.model, seed=opts.seed)

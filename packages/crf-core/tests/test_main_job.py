@@ -20,7 +20,8 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "composer_main.py"
 
 def _load() -> ModuleType:
     spec = importlib.util.spec_from_file_location("composer_main", EXAMPLE)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["composer_main"] = module
     spec.loader.exec_module(module)
@@ -37,9 +38,12 @@ def _check_run(main: ModuleType, out: Path, steps: int, sync_every: int, capsys:
         for channel in ("grpo", "sdpo_jsd", "trace_replay_dpo"):
             assert all(channel in row for row in r.history), channel
         assert r.rounds_committed == steps // sync_every
-        assert r.bytes_written > 0 and r.bytes_read > 0
-    assert "trace replay: 12 pairs" in printed and "kept 12 of 12" in printed
-    assert "| replica | reward" in printed and "[replica 1] step" in printed
+        assert r.bytes_written > 0
+        assert r.bytes_read > 0
+    assert "trace replay: 12 pairs" in printed
+    assert "kept 12 of 12" in printed
+    assert "| replica | reward" in printed
+    assert "[replica 1] step" in printed
     assert (out / "composer_main.png").stat().st_size > 10_000
     assert (out / "trace_pairs.jsonl").read_text().count("\n") == 12
     return results
@@ -58,7 +62,8 @@ def test_main_job_full(tmp_path: Path) -> None:
     results = main.main(["--output-dir", str(tmp_path)])
     assert time.monotonic() - start < 300
     for r in results:
-        assert r.rounds_committed == 4 and len(r.history) == 40
+        assert r.rounds_committed == 4
+        assert len(r.history) == 40
         first = sum(row["reward"] for row in r.history[:5]) / 5
         last = sum(row["reward"] for row in r.history[-5:]) / 5
         assert last > first, (first, last)

@@ -17,7 +17,8 @@ ADD_TESTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1
 
 def test_runs_in_another_process_and_captures_output() -> None:
     result = run_python("import os, sys\nprint(os.getpid())\nprint('err', file=sys.stderr)")
-    assert result.ok and result.returncode == 0
+    assert result.ok
+    assert result.returncode == 0
     assert int(result.stdout.split()[0]) != os.getpid()
     assert result.stderr.strip() == "err"
 
@@ -26,7 +27,8 @@ def test_environment_is_scrubbed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "sk-should-not-leak")
     monkeypatch.setenv("HF_TOKEN", "hf_should_not_leak")
     result = run_python("import os\nprint(sorted(os.environ))\nprint(os.environ.get('OPENAI_API_KEY'))")
-    assert "OPENAI_API_KEY" not in result.stdout and "HF_TOKEN" not in result.stdout
+    assert "OPENAI_API_KEY" not in result.stdout
+    assert "HF_TOKEN" not in result.stdout
     assert "sk-should-not-leak" not in result.stdout
     assert result.stdout.splitlines()[-1] == "None"
 
@@ -42,7 +44,9 @@ def test_hanging_program_is_killed_at_the_time_limit() -> None:
     start = time.monotonic()
     result = run_python("while True:\n    pass", timeout_s=1.0)
     assert time.monotonic() - start < 5.0
-    assert result.timed_out and not result.ok and result.returncode is None
+    assert result.timed_out
+    assert not result.ok
+    assert result.returncode is None
     assert "Timed out" in result.describe()
 
 
@@ -55,13 +59,16 @@ def test_memory_limit_stops_a_large_allocation() -> None:
 
 def test_crash_reports_the_traceback() -> None:
     result = run_python("raise RuntimeError('boom')")
-    assert result.returncode == 1 and not result.ok
+    assert result.returncode == 1
+    assert not result.ok
     assert "RuntimeError: boom" in result.describe()
 
 
 def test_output_is_truncated() -> None:
     result = run_python("print('x' * 100000)", max_output_chars=50)
-    assert result.ok and len(result.stdout) < 200 and "truncated" in result.stdout
+    assert result.ok
+    assert len(result.stdout) < 200
+    assert "truncated" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -90,7 +97,8 @@ def test_unit_test_reward_scores_and_reports_feedback() -> None:
 def test_unit_test_reward_times_out_hanging_code() -> None:
     reward = UnitTestReward(timeout_s=1.0, prepend_prompt=False)
     outcome = reward.score("def add(a, b):\n    while True:\n        pass\n", ADD_TESTS)
-    assert outcome.reward == 0.0 and "Timed out" in outcome.feedback
+    assert outcome.reward == 0.0
+    assert "Timed out" in outcome.feedback
 
 
 def test_printed_fake_result_line_does_not_score() -> None:

@@ -11,15 +11,15 @@ import pytest
 
 pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
 
-import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
+import torch
+from datasets import Dataset
+from trl import GRPOTrainer
 
-from crf_core.loss import compose_loss  # noqa: E402
-from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer  # noqa: E402
-from crf_core.trainer.replay_dpo import collate_pairs, pair_logps  # noqa: E402
-from crf_core.trainer.sdpo import response_logits  # noqa: E402
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm  # noqa: E402
+from crf_core.loss import compose_loss
+from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
+from crf_core.trainer.replay_dpo import collate_pairs, pair_logps
+from crf_core.trainer.sdpo import response_logits
+from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
 PROMPT = "def add(a, b):\n    return"
 PROMPT_2 = "def sub(a, b):\n    return"  # same length: no left padding, so positions agree across code paths
@@ -81,9 +81,7 @@ def _trainer(tmp_path: Path, pairs: list[dict[str, str]] | None = None, **overri
     ],
     ids=["grpo-only", "sdpo-only", "dpo-only", "all"],
 )
-def test_channels_on_and_off_train_a_few_steps(
-    tmp_path: Path, weights: dict[str, float], channels: set[str]
-) -> None:
+def test_channels_on_and_off_train_a_few_steps(tmp_path: Path, weights: dict[str, float], channels: set[str]) -> None:
     pairs = PAIRS if weights.get("trace_replay_dpo_weight", 0.0) > 0 else None
     trainer = _trainer(tmp_path, pairs, **weights)
     before = copy.deepcopy(trainer.model.state_dict())
@@ -129,7 +127,8 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
     # successes have neither (their only peer failed, no feedback) and are masked out
     assert batch["sdpo_mask"].tolist() == [1.0, 0.0, 1.0, 0.0]
     teacher_text = trainer.processing_class.batch_decode(batch["sdpo_teacher_prompt_ids"], skip_special_tokens=True)
-    assert "Correct solution" in teacher_text[0] and "wrong answer #0" in teacher_text[0]
+    assert "Correct solution" in teacher_text[0]
+    assert "wrong answer #0" in teacher_text[0]
     assert "wrong answer #2" in teacher_text[2]
     assert teacher_text[1] == PROMPT
 
@@ -207,7 +206,8 @@ def test_simpo_variant_is_reference_free(tmp_path: Path) -> None:
     trainer = _trainer(
         tmp_path, PAIRS, trace_replay_dpo_weight=1.0, sdpo_weight=0.0, dpo_variant="simpo", trace_replay_batch_size=3
     )
-    assert trainer.trace_replay_reference == "none" and trainer._pair_ref is None
+    assert trainer.trace_replay_reference == "none"
+    assert trainer._pair_ref is None
     trainer.model.train()
     loss = trainer.trace_replay_channel_loss(trainer.model, indices=[0, 1, 2])
     pb = collate_pairs(trainer._pairs, trainer._pad_id())
@@ -249,7 +249,9 @@ def test_ema_teacher_follows_the_rate(tmp_path: Path) -> None:
     for name, value in moving.sdpo_teacher.module.state_dict().items():
         torch.testing.assert_close(value, 0.5 * start[name] + 0.5 * policy[name])
     # the copy runs its own weights, not the live policy's (TRL 1.16 patches forward on the instance)
-    assert not any(torch.equal(policy[k], v) for k, v in moving.sdpo_teacher.module.state_dict().items() if v.dim() == 2)
+    assert not any(
+        torch.equal(policy[k], v) for k, v in moving.sdpo_teacher.module.state_dict().items() if v.dim() == 2
+    )
 
 
 def test_missing_or_unused_pairs_fail_loudly(tmp_path: Path) -> None:
@@ -337,10 +339,11 @@ def test_sdpo_teacher_with_demonstration_prefers_the_demonstrated_tokens(tmp_pat
     # the student's log-prob of the demonstrated tokens (negative directional derivative)
     params = [p for p in model.parameters() if p.requires_grad]
     loss = trainer.sdpo_channel_loss(model, batch)
-    assert loss is not None and float(loss.detach()) > 0
+    assert loss is not None
+    assert float(loss.detach()) > 0
     grad_loss = torch.autograd.grad(loss, params, allow_unused=True)
     logits = response_logits(model, batch["prompt_ids"], batch["prompt_mask"], completion_ids, batch["completion_mask"])
     lp = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)[:, :3].mean()
     grad_lp = torch.autograd.grad(lp, params, allow_unused=True)
-    dot = sum((a * b).sum() for a, b in zip(grad_loss, grad_lp) if a is not None and b is not None)
+    dot = sum((a * b).sum() for a, b in zip(grad_loss, grad_lp, strict=True) if a is not None and b is not None)
     assert float(dot) < 0

@@ -10,12 +10,12 @@ import pytest
 
 pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
 
-import trl  # noqa: E402
-from packaging.version import Version  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+import trl
+from packaging.version import Version
+from trl import GRPOConfig, GRPOTrainer
 
-from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer  # noqa: E402
-from crf_core.trainer._trl_contract import TRL_METHODS, TRLContractError, check_trl_contract  # noqa: E402
+from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
+from crf_core.trainer._trl_contract import TRL_METHODS, TRLContractError, check_trl_contract
 
 
 def test_installed_trl_is_in_the_tested_range() -> None:
@@ -45,13 +45,22 @@ def test_contract_check_fails_loudly_on_a_changed_trl() -> None:
     with pytest.raises(TRLContractError) as info:
         check_trl_contract(Renamed)
     message = str(info.value)
-    assert "_calculate_rewards" in message and "_log_completion_extra is missing" in message
+    assert "_calculate_rewards" in message
+    assert "_log_completion_extra is missing" in message
     assert "trl>=1.10,<1.17" in message
 
 
 def test_every_added_field_has_help_text() -> None:
-    added = [f for f in dataclasses.fields(ComposerConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}]
-    assert {f.name for f in added} >= {"grpo_weight", "sdpo_weight", "trace_replay_dpo_weight", "sdpo_alpha", "dpo_variant"}
+    added = [
+        f for f in dataclasses.fields(ComposerConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}
+    ]
+    assert {f.name for f in added} >= {
+        "grpo_weight",
+        "sdpo_weight",
+        "trace_replay_dpo_weight",
+        "sdpo_alpha",
+        "dpo_variant",
+    }
     for f in added:
         assert f.metadata.get("help"), f"{f.name} has no help text"
 

@@ -42,8 +42,11 @@ def test_feedback_used_only_without_solution_by_default() -> None:
     feedback = ["err a", "", "err c", None]
     batch = build_reprompts(["p"] * 2 + ["q"] * 2, ["a", "b", "c", "d"], [0.0, 1.0, 0.0, 0.0], feedback, 2, SHORT)
     r = batch.reprompts
-    assert r[0].prompt == "p|S:b||" and not r[0].used_feedback  # has a demo, so feedback is dropped
-    assert r[2].prompt == "q||F:err c|" and r[2].used_feedback and not r[2].used_demonstration
+    assert r[0].prompt == "p|S:b||"
+    assert not r[0].used_feedback
+    assert r[2].prompt == "q||F:err c|"
+    assert r[2].used_feedback
+    assert not r[2].used_demonstration
     assert not r[3].has_signal  # None feedback and no success
     assert batch.metrics["feedback_available_fraction"] == 0.5
     assert batch.metrics["feedback_used_fraction"] == 0.25

@@ -6,7 +6,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -83,9 +83,9 @@ class FaultyMemoryFileSystem(MemoryFileSystem):
     """
 
     protocol = "crffaulty"
-    store: dict[str, Any] = {}
-    pseudo_dirs = [""]
-    rules: list[dict[str, Any]] = []
+    store: ClassVar[dict[str, Any]] = {}
+    pseudo_dirs: ClassVar[list[str]] = [""]
+    rules: ClassVar[list[dict[str, Any]]] = []
     lock = threading.Lock()
 
     @classmethod

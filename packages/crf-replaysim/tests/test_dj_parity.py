@@ -183,6 +183,19 @@ def _cached_dj_op(name: str, args: dict[str, Any]) -> Any:
 # --------------------------------------------------------------------------- executor level
 
 
+def test_data_juicer_runtime_installs_are_refused() -> None:
+    """Inside the backend, data-juicer's LazyLoader raises (naming the package) instead of pip-installing it."""
+    from data_juicer.utils import lazy_loader
+
+    from crf_replaysim._dj_executor import _no_runtime_installs
+
+    original = lazy_loader.LazyLoader.__dict__["_install_package"]
+    missing = lazy_loader.LazyLoader("crf_replaysim_no_such_module", package_name="crf-replaysim-no-such-package")
+    with _no_runtime_installs(lazy_loader), pytest.raises(ImportError, match="Pre-install it"):
+        missing.anything  # noqa: B018
+    assert lazy_loader.LazyLoader.__dict__["_install_package"] is original
+
+
 def test_data_juicer_backend_rejects_unknown_and_non_text_ops() -> None:
     from crf_replaysim.ops import RecipeError
 

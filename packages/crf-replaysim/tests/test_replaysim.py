@@ -139,7 +139,6 @@ def test_record_chosen_rejected_messages_carry_chat_shape() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DJ, reason="data-juicer is not importable (run the nox `dj` session)")
 def test_dj_normalizer_e2e_default_recipe(tmp_path: Path) -> None:
     """The default recipe through the real data-juicer executor keeps exactly what the native backend keeps."""

@@ -14,6 +14,7 @@ positions and selects channels.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -85,12 +86,7 @@ class LossComponents:
 
 
 def _weight(name: str, value: float) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not value == value
-        or abs(value) == float("inf")
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"`{name}` must be a finite float, got {value!r}")
     if value < 0:
         raise ValueError(f"`{name}` must be >= 0 (set it to 0.0 to switch the channel off), got {value}")

@@ -28,7 +28,7 @@ __all__ = ["TestOutcome", "UnitTestReward", "extract_code"]
 
 _FENCE_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", flags=re.DOTALL)
 
-_HARNESS = '''
+_HARNESS = """
 import sys as _crf_sys
 _crf_nonce = _crf_sys.stdin.readline().strip()
 _crf_tests = {tests}
@@ -51,7 +51,7 @@ else:
 print("CRF-RESULT", _crf_nonce, _crf_passed, len(_crf_tests), flush=True)
 if _crf_first_failure is not None:
     print(_crf_first_failure, file=_crf_sys.stderr, flush=True)
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class UnitTestReward:
                 f"got {len(prompts)} prompts, {len(completions)} completions and {len(tests_per_row)} test lists"
             )
         programs = []
-        for prompt, completion in zip(prompts, completions):
+        for prompt, completion in zip(prompts, completions, strict=True):
             code = extract_code(_completion_text(completion))
             if self.prepend_prompt:
                 if not isinstance(prompt, str):
@@ -164,4 +164,3 @@ def _parse(result: SandboxResult, nonce: str, total: int) -> TestOutcome:
             failure = result.describe() if not result.ok or not result.stderr.strip() else result.stderr.strip()
             return TestOutcome(passed if result.ok else 0, total, failure)
     return TestOutcome(0, total, result.describe())
-

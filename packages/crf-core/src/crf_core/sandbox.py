@@ -21,6 +21,7 @@ namespaces or network isolation); run the trainer in a container for that.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -184,7 +185,5 @@ def run_python(
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -26,6 +26,7 @@ Bytes per participant with ``m`` participants and payload ``S``: up ``S + S/m``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -55,6 +56,7 @@ from crf_diloco.wire import (
     encode_reduced,
     read_header,
     read_payload_shard,
+    wire_roundtrip,
 )
 
 __all__ = ["ENV_RANK", "ENV_RUN_ID", "ENV_URI", "ENV_WORLD_SIZE", "ObjectStoreAllReduce", "RoundInfo"]
@@ -339,10 +341,8 @@ class ObjectStoreAllReduce:
     def _write_decision(self, keys: RoundKeys, outcome: str, reason: str, token: str | None) -> dict[str, Any]:
         """Create the round's decision (first writer wins) and return the one that stands."""
         record = {"outcome": outcome, "reason": reason, "by": self.rank, "round": keys.round_id, "token": token}
-        try:
+        with contextlib.suppress(AllReduceError):  # the read below decides whose decision stands
             self.store.put_create(keys.decision, json.dumps(record).encode())
-        except AllReduceError:
-            pass  # the read below decides whether anyone's decision stands
         deadline = time.monotonic() + self.timeout
         attempt = 0
         while True:
@@ -453,7 +453,9 @@ class ObjectStoreAllReduce:
         }
         self.store.put_create(keys.quorum, json.dumps(record).encode())
 
-    def _data_phase(self, keys: RoundKeys, quorum: dict[str, Any], flat: torch.Tensor, spec: dict[str, Any]) -> torch.Tensor:
+    def _data_phase(
+        self, keys: RoundKeys, quorum: dict[str, Any], flat: torch.Tensor, spec: dict[str, Any]
+    ) -> torch.Tensor:
         participants = [int(r) for r in quorum["participants"]]
         plan = ShardPlan.from_json(quorum["plan"])
         token = str(quorum["token"])
@@ -500,8 +502,7 @@ class ObjectStoreAllReduce:
         acc = torch.zeros(hi - lo, dtype=torch.float32)
         for r in participants:
             if r == self.rank and own is not None:
-                encoded = encode_reduced(own[lo:hi].contiguous(), plan, shard, {"token": token})[1]
-                acc += encoded
+                acc += wire_roundtrip(own[lo:hi], plan.codec)  # exactly what others decode from our object
                 continue
             header = self._await_header(keys, keys.data(r), token, deadline)
             try:

@@ -43,7 +43,9 @@ def _pack(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
         return [_pack(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise TypeError(f"cannot checkpoint {type(value).__name__} at {path or '<root>'}: only tensors, dicts, lists, tuples and JSON scalars")
+    raise TypeError(
+        f"cannot checkpoint {type(value).__name__} at {path or '<root>'}: only tensors, dicts, lists, tuples and JSON scalars"
+    )
 
 
 def _unpack(value: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -47,7 +47,7 @@ DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
 _KEEP_STATES = 2
 
 
-class _FlushingFuture(torch.futures.Future):  # type: ignore[type-arg]
+class _FlushingFuture(torch.futures.Future[Any]):
     """A future that runs the pending object-store round when waited on."""
 
     def __init__(self, flush: Callable[[], None]) -> None:
@@ -100,7 +100,7 @@ class ObjectStoreWork(dist._Work):
     def block_current_stream(self, timeout: timedelta | None = None) -> None:
         self.wait()
 
-    def get_future(self) -> torch.futures.Future:  # type: ignore[type-arg]
+    def get_future(self) -> torch.futures.Future[Any]:
         return self._future
 
 
@@ -115,7 +115,7 @@ class _DoneWork(dist._Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         return True
 
-    def get_future(self) -> torch.futures.Future:  # type: ignore[type-arg]
+    def get_future(self) -> torch.futures.Future[Any]:
         return self._future
 
 
@@ -169,7 +169,9 @@ class MockManager:
         if use_async_quorum:
             raise ValueError("MockManager only implements a synchronous quorum; DiLoCo requires use_async_quorum=False")
         if not 1 <= min_replica_size <= allreduce.world_size:
-            raise ValueError(f"min_replica_size must be in [1, world_size={allreduce.world_size}], got {min_replica_size}")
+            raise ValueError(
+                f"min_replica_size must be in [1, world_size={allreduce.world_size}], got {min_replica_size}"
+            )
         if heal_timeout is not None and not heal_timeout > 0:
             raise ValueError(f"heal_timeout must be > 0 seconds or None, got {heal_timeout!r}")
         self._use_async_quorum = False
@@ -213,7 +215,9 @@ class MockManager:
             return None if self._observe_next else self.rank
         return self._participants.index(self.rank) if self.rank in self._participants else None
 
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+    ) -> None:
         """Begin a sync: write a due checkpoint, clear errors, heal from the store if behind."""
         self._write_checkpoint_if_due()
         self._ensure_checkpoint()
@@ -226,12 +230,14 @@ class MockManager:
         """No-op: the quorum is formed inside each object-store round."""
 
     # -- state dict plumbing -------------------------------------------------------------------
-    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
         if not isinstance(key, str) or not key:
             raise ValueError(f"state dict key must be a non-empty str, got {key!r}")
         if key in self._load_fns or key == "torchft":
             raise ValueError(f"state dict key {key!r} is already registered")
-        self._load_fns[key] = load_state_dict  # type: ignore[assignment]
+        self._load_fns[key] = load_state_dict
         self._save_fns[key] = state_dict
 
     def allow_state_dict_read(self) -> None:
@@ -264,7 +270,9 @@ class MockManager:
     def errored(self) -> Exception | None:
         return self._errored
 
-    def wrap_future(self, fut: torch.futures.Future[T], default: T, timeout: timedelta | None = None) -> torch.futures.Future[T]:
+    def wrap_future(
+        self, fut: torch.futures.Future[T], default: T, timeout: timedelta | None = None
+    ) -> torch.futures.Future[T]:
         """Chain a callback that turns an exception of ``fut`` into ``report_error`` plus ``default``."""
 
         def callback(f: torch.futures.Future[T]) -> T:
@@ -277,7 +285,9 @@ class MockManager:
         return fut.then(callback)
 
     # -- allreduce / commit -------------------------------------------------------------------
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> dist._Work:
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp.RedOpType = ReduceOp.AVG
+    ) -> dist._Work:
         """Queue ``tensor`` for the next round; returns a Work (reduced in place once waited on)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"allreduce expects a torch.Tensor, got {type(tensor).__name__}")

@@ -14,6 +14,7 @@ Create-only semantics per backend (fsspec 2026.9, read from its source):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -53,7 +54,9 @@ def _missing_adapter_error(uri: str, protocol: str, cause: BaseException) -> Sto
         if package
         else "install the fsspec adapter package for that protocol"
     )
-    return StoreBackendMissingError(f"cannot open {uri!r}: no fsspec adapter for protocol {protocol!r}; {hint}. ({cause})")
+    return StoreBackendMissingError(
+        f"cannot open {uri!r}: no fsspec adapter for protocol {protocol!r}; {hint}. ({cause})"
+    )
 
 
 def _is_precondition_failed(exc: OSError) -> bool:
@@ -227,10 +230,8 @@ class ObjectStore:
     def remove_tree(self, key: str) -> None:
         """Best-effort recursive delete (garbage collection never fails a round)."""
         path = self.path(key)
-        try:
+        with contextlib.suppress(OSError, AllReduceError):
             self.fs.rm(path, recursive=True)
-        except (OSError, AllReduceError):
-            pass
 
     def preflight(self) -> None:
         """Resolve the adapter and write, read and delete a probe object.

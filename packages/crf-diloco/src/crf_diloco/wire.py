@@ -26,7 +26,7 @@ import struct
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors.torch import save as st_save
@@ -34,6 +34,8 @@ from safetensors.torch import save as st_save
 from crf_diloco.errors import CorruptObjectError
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from crf_diloco.store import ObjectStore
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "encode_reduced",
     "read_header",
     "read_payload_shard",
+    "wire_roundtrip",
 ]
 
 WIRE_VERSION = "1"
@@ -128,17 +131,20 @@ def _decode_units(tensors: dict[str, torch.Tensor], codec: str, numel: int) -> t
     return tensors["x"].to(torch.float32)[:numel]
 
 
-def _unit_rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    return t[a:b]
+def wire_roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """``decode(encode(x))`` for a flat fp32 slice starting on a unit boundary (no serialisation)."""
+    if codec == "fp32":
+        return x
+    return _decode_units(_encode_units(x.contiguous(), codec), codec, x.numel())
 
 
 def _crc(tensors: dict[str, torch.Tensor], a: int, b: int) -> int:
     crc = 0
     for name in sorted(tensors):
-        part = _unit_rows(tensors[name], a, b)
+        part = tensors[name][a:b]
         if part.dtype == torch.bfloat16:
-            part = part.view(torch.int16)
-        crc = zlib.crc32(part.contiguous().numpy(), crc)
+            part = part.view(torch.int16)  # numpy has no bf16: hash the same bytes as int16
+        crc = zlib.crc32(cast("Buffer", part.contiguous().numpy()), crc)
     return crc
 
 
@@ -255,7 +261,9 @@ def read_payload_shard(store: ObjectStore, key: str, header: Header, plan: Shard
     return _decode_units(parts, plan.codec, hi - lo)
 
 
-def encode_reduced(values: torch.Tensor, plan: ShardPlan, shard: int, meta: dict[str, str]) -> tuple[bytes, torch.Tensor]:
+def encode_reduced(
+    values: torch.Tensor, plan: ShardPlan, shard: int, meta: dict[str, str]
+) -> tuple[bytes, torch.Tensor]:
     """Encode a reduced fp32 shard; also return its decoded values (what every reader will get)."""
     lo, hi = plan.elem_range(shard)
     if values.dtype != torch.float32 or values.numel() != hi - lo:

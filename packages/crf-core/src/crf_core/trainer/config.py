@@ -139,7 +139,8 @@ class ComposerConfig(GRPOConfig):
         default=DEFAULT_FEEDBACK_TEMPLATE, metadata={"help": "Feedback template with {feedback_raw}."}
     )
     sdpo_max_reprompt_len: int = field(
-        default=10240, metadata={"help": "Longest teacher prompt in tokens; longer ones follow sdpo_reprompt_truncation."}
+        default=10240,
+        metadata={"help": "Longest teacher prompt in tokens; longer ones follow sdpo_reprompt_truncation."},
     )
     sdpo_reprompt_truncation: str = field(
         default="right",
@@ -175,7 +176,9 @@ class ComposerConfig(GRPOConfig):
     )
     trace_replay_max_length: int = field(
         default=512,
-        metadata={"help": "Longest prompt+response in tokens; the prompt is cut from the left, the response from the right."},
+        metadata={
+            "help": "Longest prompt+response in tokens; the prompt is cut from the left, the response from the right."
+        },
     )
     trace_replay_reference: str = field(
         default="auto",

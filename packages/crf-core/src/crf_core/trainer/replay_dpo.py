@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from crf_core.loss import DPO_VARIANTS  # TRL loss_type names plus "simpo", shared with compose_loss
-
 from crf_distill import avg_sequence_logprob, dpo_loss, sequence_logprob, simpo_loss, token_logprobs
 
 __all__ = [
@@ -113,7 +112,9 @@ def tokenize_pairs(records: Sequence[Mapping[str, Any]], tokenizer: Any, max_len
     out = []
     for record in records:
         prompt = list(tokenizer(_render_prompt(record, tokenizer))["input_ids"])
-        sides = [list(tokenizer(record[k], add_special_tokens=False)["input_ids"]) + [eos] for k in ("chosen", "rejected")]
+        sides = [
+            [*list(tokenizer(record[k], add_special_tokens=False)["input_ids"]), eos] for k in ("chosen", "rejected")
+        ]
         longest = max(len(s) for s in sides)
         keep_prompt = max(1, min(len(prompt), max_length - longest))
         prompt = prompt[-keep_prompt:]

@@ -45,7 +45,7 @@ DEFAULT_SOLUTION_TEMPLATE = "\nCorrect solution:\n\n{successful_previous_attempt
 DEFAULT_FEEDBACK_TEMPLATE = "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n"
 
 Messages = Sequence[Mapping[str, Any]]
-PromptLike = Union[str, Messages]
+PromptLike = Union[str, Messages]  # noqa: UP007 (a runtime alias; `|` needs 3.10 typing on both sides)
 
 _THINK_RE = re.compile(r"<think>.*?</think>", flags=re.DOTALL)
 
@@ -60,7 +60,9 @@ def _check_template(name: str, template: Any, required: set[str]) -> None:
     try:
         fields = _field_names(template)
     except ValueError as exc:
-        raise ValueError(f"{name} is not a valid str.format template ({exc}); escape literal braces as '{{' '}}'") from exc
+        raise ValueError(
+            f"{name} is not a valid str.format template ({exc}); escape literal braces as '{{' '}}'"
+        ) from exc
     if fields != required:
         raise ValueError(
             f"{name} must use exactly the placeholders {sorted(required)}, found {sorted(fields)}; "

@@ -121,6 +121,21 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.trace_replay_reference = "none"
         self._setup_trace_replay(trace_replay_pairs)
 
+    # ------------------------------------------------------------------ small helpers
+    def _mode(self) -> str:
+        model: Any = self.model
+        return "train" if model.training else "eval"
+
+    @property
+    def _processor(self) -> Any:
+        """The processing class (tokenizer or multimodal processor), untyped for TRL's union type."""
+        return self.processing_class
+
+    def _pad_id(self) -> int:
+        tokenizer = getattr(self._processor, "tokenizer", self._processor)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return int(pad)
+
     # ------------------------------------------------------------------ generation-side hooks
     def _log_completion_extra(self, column: str, values: list[Any]) -> None:
         super()._log_completion_extra(column, values)
@@ -175,8 +190,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         all_prompts = gather_object(prompts)
         all_completions = gather_object(completions)
         all_feedback = gather_object(self._local_feedback(n_local) or [None] * n_local)
-        mode = "train" if self.model.training else "eval"
-        group = self.num_generations if mode == "train" else getattr(self, "num_generations_eval", self.num_generations)
+        mode = self._mode()
+        sizes: Any = (self.num_generations, getattr(self, "num_generations_eval", None))
+        group = int(sizes[0] if mode == "train" or sizes[1] is None else sizes[1])
         batch = build_reprompts(
             all_prompts, all_completions, rewards.tolist(), all_feedback, group, self._reprompt_config
         )
@@ -186,9 +202,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         local = batch.reprompts[start : start + n_local]
         ids = self._tokenize_teacher_prompts([r.prompt for r in local])
         width = max(len(x) for x in ids)
-        pad = self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else None
-        pad = pad if pad is not None else getattr(getattr(self.processing_class, "tokenizer", None), "pad_token_id", 0)
-        teacher_ids = torch.full((n_local, width), int(pad or 0), dtype=torch.long)
+        teacher_ids = torch.full((n_local, width), self._pad_id(), dtype=torch.long)
         teacher_mask = torch.zeros((n_local, width), dtype=torch.long)
         for i, row in enumerate(ids):  # left padding, like TRL's prompts
             if row:
@@ -204,16 +218,17 @@ class ComposerReplicationTrainer(GRPOTrainer):
     def _tokenize_teacher_prompts(self, prompts: Sequence[PromptLike]) -> list[list[int]]:
         cfg = self.composer_args
         if all(isinstance(p, str) for p in prompts):
-            encoded = self.processing_class(text=list(prompts))["input_ids"]
+            encoded = self._processor(text=list(prompts))["input_ids"]
         else:
-            encoded = self.processing_class.apply_chat_template(
+            chat_kwargs: Any = self.chat_template_kwargs or {}
+            encoded = self._processor.apply_chat_template(
                 conversation=[list(p) for p in prompts],
                 tools=getattr(self, "tools", None) or None,
                 chat_template=getattr(self, "chat_template", None),
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=True,
-                **self.chat_template_kwargs,
+                **chat_kwargs,
             )["input_ids"]
         out = []
         for row in encoded:
@@ -224,7 +239,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
                         f"a teacher prompt has {len(row)} tokens > sdpo_max_reprompt_len={cfg.sdpo_max_reprompt_len}; "
                         "raise the limit or set sdpo_reprompt_truncation to 'left' or 'right'"
                     )
-                row = row[: cfg.sdpo_max_reprompt_len] if cfg.sdpo_reprompt_truncation == "right" else row[-cfg.sdpo_max_reprompt_len :]
+                row = (
+                    row[: cfg.sdpo_max_reprompt_len]
+                    if cfg.sdpo_reprompt_truncation == "right"
+                    else row[-cfg.sdpo_max_reprompt_len :]
+                )
             out.append(row)
         return out
 
@@ -235,7 +254,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if return_outputs:
             raise ValueError("ComposerReplicationTrainer does not support returning outputs")
         cfg = self.composer_args
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode()
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         terms: list[torch.Tensor] = []
         if cfg.grpo_weight > 0:
@@ -279,7 +298,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
             completion_mask,
             temperature=self.temperature,
         )
-        teacher_model = self.sdpo_teacher.module if self.sdpo_teacher is not None else self.accelerator.unwrap_model(model)
+        teacher_model = (
+            self.sdpo_teacher.module if self.sdpo_teacher is not None else self.accelerator.unwrap_model(model)
+        )
         with torch.no_grad():
             teacher = response_logits(
                 teacher_model,
@@ -321,7 +342,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 "set trace_replay_dpo_weight > 0 or drop the pairs"
             )
         records = load_pair_records(source)
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        tokenizer = getattr(self._processor, "tokenizer", self._processor)
         self._pairs = tokenize_pairs(records, tokenizer, cfg.trace_replay_max_length)
         self.trace_replay_reference = self._resolve_reference()
         if self.trace_replay_reference == "precomputed":
@@ -375,11 +396,6 @@ class ComposerReplicationTrainer(GRPOTrainer):
             rejected.append(r.float().cpu())
         return torch.cat(chosen), torch.cat(rejected)
 
-    def _pad_id(self) -> int:
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return int(pad)
-
     def _next_pair_indices(self) -> list[int]:
         out = []
         for _ in range(self.composer_args.trace_replay_batch_size):
@@ -392,7 +408,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _reference_context(self, model: Any) -> AbstractContextManager[Any]:
         if self.trace_replay_reference == "adapter":
-            return self.accelerator.unwrap_model(model).disable_adapter()  # type: ignore[no-any-return]
+            policy: Any = self.accelerator.unwrap_model(model)
+            context: AbstractContextManager[Any] = policy.disable_adapter()
+            return context
         return nullcontext()
 
     def trace_replay_channel_loss(self, model: Any, indices: Sequence[int] | None = None) -> torch.Tensor:
@@ -410,8 +428,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
             if self._pair_ref is not None:
                 ref_c, ref_r = (t[idx].to(policy_c.device, policy_c.dtype) for t in self._pair_ref)
             else:
-                ref = self.accelerator.unwrap_model(model) if self.trace_replay_reference == "adapter" else (
-                    self._trace_replay_ref_model or self.ref_model
+                ref: Any = (
+                    self.accelerator.unwrap_model(model)
+                    if self.trace_replay_reference == "adapter"
+                    else (self._trace_replay_ref_model or self.ref_model)
                 )
                 with torch.no_grad(), self._reference_context(model):
                     ref_c, ref_r = pair_logps(ref, batch, average=False)
@@ -429,13 +449,14 @@ class ComposerReplicationTrainer(GRPOTrainer):
             chosen_lengths=lengths[: len(idx)],
             rejected_lengths=lengths[len(idx) :],
         )
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode()
         with torch.no_grad():
             if simpo:
                 margin = cfg.simpo_beta * (policy_c - policy_r)
                 chosen_reward, rejected_reward = cfg.simpo_beta * policy_c, cfg.simpo_beta * policy_r
             else:
-                assert ref_c is not None and ref_r is not None
+                assert ref_c is not None
+                assert ref_r is not None
                 chosen_reward, rejected_reward = cfg.dpo_beta * (policy_c - ref_c), cfg.dpo_beta * (policy_r - ref_r)
                 margin = chosen_reward - rejected_reward
         metrics = self._metrics[mode]

@@ -1,0 +1,251 @@
+"""ObjectStoreAllReduce vs torch.distributed Gloo allreduce, side by side.
+
+What is measured
+    ``--replicas`` processes (default 4) each hold one fp32 tensor of ``--sizes`` elements (default
+    16M and 64M) and average it across replicas with:
+
+    * ``gloo``: ``torch.distributed.all_reduce`` on a Gloo process group (TCP on 127.0.0.1);
+    * ``objstore-local``: :class:`crf_diloco.ObjectStoreAllReduce` on a local folder;
+    * ``naive-local``: a naive file all-gather on the same folder (each replica writes its tensor,
+      reads all the others' and sums them), the scheme the protocol replaces;
+    * ``objstore-s3``: :class:`crf_diloco.ObjectStoreAllReduce` on ``s3://`` against moto's S3 server
+      (a ``moto_server`` subprocess on 127.0.0.1) through s3fs (skip with ``--skip-s3``).
+
+    Every replica enters each collective after a Gloo barrier; a collective's time is the slowest
+    replica's time from the barrier to the end of its call; the figure is the median over ``--reps``.
+    The same processes run every variant, so all of them see the same machine.
+
+Bytes
+    Bytes read and written per replica as a multiple of the tensor size, for world sizes 2, 4 and 8
+    (threads on ``memory://``, ``--bytes-numel`` elements so headers are negligible), and the int8
+    compression ratio at world size 4. Targets (issue 5): at most 3.2x the tensor size at every world
+    size (a naive all-gather moves N x), 4 x 64M within 2x of Gloo's time on a local folder, int8 at
+    most 0.3x of uncompressed.
+
+Run: ``python benchmarks/allreduce.py`` (``--sizes 1M --reps 2 --skip-s3`` for a quick look).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def _naive_allgather(t: Any, folder: str, rank: int, world_size: int, tag: str) -> None:
+    """Each replica writes its whole tensor; each reads every other one and averages (N x download)."""
+    import numpy as np
+    import torch
+
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{tag}-{rank}.tmp")
+    t.numpy().tofile(tmp)
+    os.replace(tmp, os.path.join(folder, f"{tag}-{rank}.bin"))
+    acc = t.clone()
+    for r in range(world_size):
+        if r == rank:
+            continue
+        path = os.path.join(folder, f"{tag}-{r}.bin")
+        while not os.path.exists(path):
+            time.sleep(0.001)
+        acc += torch.from_numpy(np.fromfile(path, dtype=np.float32))
+    t.copy_(acc / world_size)
+
+
+def _worker(rank: int, world_size: int, port: int, jobs: list[dict[str, Any]], out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from crf_diloco import ObjectStoreAllReduce
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    reducers: dict[tuple[str, str], ObjectStoreAllReduce] = {}
+    for job in jobs:
+        g = torch.Generator().manual_seed(rank)
+        t = torch.randn(job["numel"], generator=g)
+        dist.barrier()
+        start = time.perf_counter()
+        if job["kind"] == "gloo":
+            dist.all_reduce(t)
+            t /= world_size
+        elif job["kind"] == "naive-local":
+            _naive_allgather(t, job["uri"], rank, world_size, job["tag"])
+        else:
+            key = (job["uri"], job["run_id"])
+            if key not in reducers:
+                reducers[key] = ObjectStoreAllReduce(
+                    job["uri"], rank, world_size, run_id=job["run_id"], timeout=600, storage_options=job.get("options")
+                )
+            reducers[key].allreduce(t)
+        elapsed = time.perf_counter() - start
+        out.put((job["label"], rank, elapsed, float(t[:4].sum())))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_jobs(world_size: int, jobs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, jobs, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    per_job: dict[tuple[str, int], dict[int, float]] = {}
+    checks: dict[tuple[str, int], set[float]] = {}
+    seen: dict[str, int] = {}
+    for _ in range(world_size * len(jobs)):
+        label, rank, elapsed, check = queue.get(timeout=3600)
+        idx = seen.get(f"{label}/{rank}", 0)
+        seen[f"{label}/{rank}"] = idx + 1
+        per_job.setdefault((label, idx), {})[rank] = elapsed
+        checks.setdefault((label, idx), set()).add(round(check, 4))
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"a benchmark replica exited with code {p.exitcode}")
+    for key, values in checks.items():
+        if len(values) != 1:
+            raise RuntimeError(f"{key}: replicas disagree on the result ({values})")
+    times: dict[str, list[float]] = {}
+    for (label, _), ranks in sorted(per_job.items()):
+        times.setdefault(label, []).append(max(ranks.values()))
+    return times
+
+
+def _start_moto() -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
+    import boto3
+
+    port = _free_port()
+    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.1)
+    bucket = "crf-diloco-bench"
+    creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds).create_bucket(Bucket=bucket)
+    options = {"key": "bench", "secret": "bench", "endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+    return proc, options, f"s3://{bucket}"
+
+
+def _bytes_table(numel: int) -> None:
+    import torch
+
+    from crf_diloco import ObjectStoreAllReduce
+
+    def run(world_size: int, compression: str | None) -> list[tuple[int, int]]:
+        uri = f"memory://crf-bench-{uuid.uuid4().hex}"
+        out: list[tuple[int, int]] = [(0, 0)] * world_size
+
+        def replica(rank: int) -> None:
+            ar = ObjectStoreAllReduce(uri, rank, world_size, timeout=600, compression=compression)  # type: ignore[arg-type]
+            ar.allreduce(torch.randn(numel))
+            out[rank] = (ar.bytes_read, ar.bytes_written)
+
+        threads = [threading.Thread(target=replica, args=(r,)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    size = 4 * numel
+    print(f"\nBytes per replica / tensor size ({numel:,} fp32 elements; naive all-gather moves N x)")
+    print(f"{'world':>5} {'written':>8} {'read':>8} {'total':>8} {'max total':>10}  (target <= 3.2)")
+    for world_size in (2, 4, 8):
+        counts = run(world_size, None)
+        totals = [(r + w) / size for r, w in counts]
+        mean_w = statistics.mean(w for _, w in counts) / size
+        mean_r = statistics.mean(r for r, _ in counts) / size
+        print(f"{world_size:>5} {mean_w:>8.3f} {mean_r:>8.3f} {statistics.mean(totals):>8.3f} {max(totals):>10.3f}")
+    plain = run(4, None)
+    int8 = run(4, "int8")
+    ratio = max((a[0] + a[1]) / (b[0] + b[1]) for a, b in zip(int8, plain))
+    print(f"int8 / fp32 bytes at world size 4: {ratio:.3f}  (target <= 0.3)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--sizes", default="16M,64M", help="comma-separated element counts, e.g. 16M,64M")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--s3-sizes", default=None, help="sizes for the moto S3 runs (default: --sizes)")
+    parser.add_argument("--bytes-numel", default="1M")
+    parser.add_argument("--folder", default=None, help="local folder for the file-based variants (default: a temp dir)")
+    args = parser.parse_args(argv)
+
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    s3_sizes = [_parse_size(s) for s in args.s3_sizes.split(",")] if args.s3_sizes else sizes
+    folder = args.folder or tempfile.mkdtemp(prefix="crf-allreduce-bench-")
+    moto = None
+    jobs: list[dict[str, Any]] = []
+    try:
+        if not args.skip_s3:
+            moto, options, s3_uri = _start_moto()
+        for numel in sizes:
+            for rep in range(args.reps):
+                jobs.append({"kind": "gloo", "numel": numel, "label": f"gloo/{numel}"})
+                jobs.append(
+                    {"kind": "objstore", "numel": numel, "uri": folder, "run_id": f"local{numel}", "label": f"objstore-local/{numel}"}
+                )
+                jobs.append(
+                    {"kind": "naive-local", "numel": numel, "uri": os.path.join(folder, "naive"), "tag": f"{numel}-{rep}", "label": f"naive-local/{numel}"}
+                )
+                if moto is not None and numel in s3_sizes:
+                    jobs.append(
+                        {"kind": "objstore", "numel": numel, "uri": s3_uri, "run_id": f"s3{numel}", "options": options, "label": f"objstore-s3/{numel}"}
+                    )
+        times = _run_jobs(args.replicas, jobs)
+    finally:
+        if moto is not None:
+            moto.kill()
+            moto.wait()
+        if args.folder is None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    print(f"ObjectStoreAllReduce vs Gloo: {args.replicas} replicas, fp32, median of {args.reps} (seconds; ratio = / gloo)")
+    print(f"{'elements':>10} {'variant':<16} {'time':>8} {'ratio':>7}")
+    for numel in sizes:
+        gloo = statistics.median(times[f"gloo/{numel}"])
+        for variant in ("gloo", "objstore-local", "naive-local", "objstore-s3"):
+            key = f"{variant}/{numel}"
+            if key in times:
+                t = statistics.median(times[key])
+                print(f"{numel:>10,} {variant:<16} {t:>8.3f} {t / gloo:>7.2f}")
+    _bytes_table(_parse_size(args.bytes_numel))
+
+
+if __name__ == "__main__":
+    main()

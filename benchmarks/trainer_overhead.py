@@ -1,0 +1,111 @@
+"""Steps per second of ComposerReplicationTrainer (every channel on) against TRL's plain GRPOTrainer.
+
+Same tiny offline model (2-layer Llama, character vocabulary), same data, same reward, same GRPO
+settings; each trainer runs ``--steps`` optimizer steps after ``--warmup`` untimed ones, ``--repeats``
+times, and the best time is kept. Target: ratio ≥ 0.6 (the Composer trainer does the GRPO step plus an
+SDPO student forward/backward, a no-grad teacher forward and a DPO forward/backward on pairs).
+
+    python benchmarks/trainer_overhead.py            # ~2 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from typing import Any
+
+from datasets import Dataset
+from transformers import PrinterCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
+from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "def sub(a, b):\n    return",
+    "def neg(x):\n    return",
+    "def sq(x):\n    return",
+]
+PAIRS = [{"prompt": p, "chosen": " a + b", "rejected": " a - b"} for p in PROMPTS]
+
+
+def parity_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """Cheap deterministic reward with feedback, so that SDPO has teacher signal on every step."""
+    if "log_extra" in kwargs:
+        kwargs["log_extra"]("feedback", [None if len(c) % 2 else "the answer has even length" for c in completions])
+    return [float(len(c) % 2) for c in completions]
+
+
+def common(out: str, steps: int) -> dict[str, Any]:
+    return {
+        "output_dir": out,
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 16,
+        "max_steps": steps,
+        "learning_rate": 1e-4,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "gradient_checkpointing": False,
+        "seed": 0,
+    }
+
+
+def run(kind: str, model: Any, tokenizer: Any, steps: int) -> float:
+    dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS] * 64)
+    with tempfile.TemporaryDirectory() as out:
+        if kind == "grpo":
+            trainer: GRPOTrainer = GRPOTrainer(
+                model=copy.deepcopy(model),
+                reward_funcs=parity_reward,
+                args=GRPOConfig(**common(out, steps)),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
+        else:
+            trainer = ComposerReplicationTrainer(
+                model=copy.deepcopy(model),
+                reward_funcs=parity_reward,
+                args=ComposerConfig(**common(out, steps), trace_replay_dpo_weight=1.0, sdpo_top_k=20),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                trace_replay_pairs=PAIRS,
+            )
+        trainer.remove_callback(PrinterCallback)
+        start = time.perf_counter()
+        trainer.train()
+        return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    opts = parser.parse_args()
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, num_heads=4)
+    best: dict[str, float] = {}
+    for _ in range(opts.repeats):
+        for kind in ("grpo", "composer"):  # interleaved so machine load affects both alike
+            warm = run(kind, model, tokenizer, opts.warmup)
+            total = run(kind, model, tokenizer, opts.warmup + opts.steps)
+            best[kind] = min(best.get(kind, float("inf")), max(total - warm, 1e-9))
+    rate = {k: opts.steps / v for k, v in best.items()}
+    print(f"{'trainer':<44} {'steps':>5} {'seconds':>8} {'steps/s':>8}")
+    print(f"{'TRL GRPOTrainer':<44} {opts.steps:>5} {best['grpo']:>8.2f} {rate['grpo']:>8.3f}")
+    print(
+        f"{'ComposerReplicationTrainer (GRPO+SDPO+DPO)':<44} {opts.steps:>5} {best['composer']:>8.2f} {rate['composer']:>8.3f}"
+    )
+    ratio = rate["composer"] / rate["grpo"]
+    print(f"ratio composer/TRL = {ratio:.2f}x (target >= 0.60x): {'PASS' if ratio >= 0.6 else 'BELOW TARGET'}")
+
+
+if __name__ == "__main__":
+    main()
