@@ -139,8 +139,12 @@ def _start_moto() -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
     import boto3
 
     port = _free_port()
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    if not os.path.exists(exe):
+        exe = shutil.which("moto_server") or exe
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -155,7 +159,12 @@ def _start_moto() -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
     bucket = "crf-diloco-bench"
     creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds).create_bucket(Bucket=bucket)
-    options = {"key": "bench", "secret": "bench", "endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+    options = {
+        "key": "bench",
+        "secret": "bench",
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
     return proc, options, f"s3://{bucket}"
 
 
@@ -191,7 +200,7 @@ def _bytes_table(numel: int) -> None:
         print(f"{world_size:>5} {mean_w:>8.3f} {mean_r:>8.3f} {statistics.mean(totals):>8.3f} {max(totals):>10.3f}")
     plain = run(4, None)
     int8 = run(4, "int8")
-    ratio = max((a[0] + a[1]) / (b[0] + b[1]) for a, b in zip(int8, plain))
+    ratio = max((a[0] + a[1]) / (b[0] + b[1]) for a, b in zip(int8, plain, strict=True))
     print(f"int8 / fp32 bytes at world size 4: {ratio:.3f}  (target <= 0.3)")
 
 
@@ -218,14 +227,33 @@ def main(argv: list[str] | None = None) -> None:
             for rep in range(args.reps):
                 jobs.append({"kind": "gloo", "numel": numel, "label": f"gloo/{numel}"})
                 jobs.append(
-                    {"kind": "objstore", "numel": numel, "uri": folder, "run_id": f"local{numel}", "label": f"objstore-local/{numel}"}
+                    {
+                        "kind": "objstore",
+                        "numel": numel,
+                        "uri": folder,
+                        "run_id": f"local{numel}",
+                        "label": f"objstore-local/{numel}",
+                    }
                 )
                 jobs.append(
-                    {"kind": "naive-local", "numel": numel, "uri": os.path.join(folder, "naive"), "tag": f"{numel}-{rep}", "label": f"naive-local/{numel}"}
+                    {
+                        "kind": "naive-local",
+                        "numel": numel,
+                        "uri": os.path.join(folder, "naive"),
+                        "tag": f"{numel}-{rep}",
+                        "label": f"naive-local/{numel}",
+                    }
                 )
                 if moto is not None and numel in s3_sizes:
                     jobs.append(
-                        {"kind": "objstore", "numel": numel, "uri": s3_uri, "run_id": f"s3{numel}", "options": options, "label": f"objstore-s3/{numel}"}
+                        {
+                            "kind": "objstore",
+                            "numel": numel,
+                            "uri": s3_uri,
+                            "run_id": f"s3{numel}",
+                            "options": options,
+                            "label": f"objstore-s3/{numel}",
+                        }
                     )
         times = _run_jobs(args.replicas, jobs)
     finally:
@@ -235,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.folder is None:
             shutil.rmtree(folder, ignore_errors=True)
 
-    print(f"ObjectStoreAllReduce vs Gloo: {args.replicas} replicas, fp32, median of {args.reps} (seconds; ratio = / gloo)")
+    print(
+        f"ObjectStoreAllReduce vs Gloo: {args.replicas} replicas, fp32, median of {args.reps} (seconds; ratio = / gloo)"
+    )
     print(f"{'elements':>10} {'variant':<16} {'time':>8} {'ratio':>7}")
     for numel in sizes:
         gloo = statistics.median(times[f"gloo/{numel}"])

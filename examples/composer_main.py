@@ -159,23 +159,32 @@ def build_policy(name: str, seed: int) -> tuple[Any, Any]:
     raise SystemExit(f"unknown --model {name!r}; use 'tiny' or 'smollm2-135m'")
 
 
-def warm_start(model: Any, tokenizer: Any, pairs: Path, steps: int, lr: float, seed: int) -> float:
+def warm_start(
+    model: Any, tokenizer: Any, pairs: Path, tasks: Sequence[dict[str, Any]], steps: int, lr: float, seed: int
+) -> float:
     """Supervised warm start on the teacher side of the replayed pairs (the usual "SFT, then RL").
 
-    Each batch mixes ``prompt + answer`` rows with rows in the SDPO reprompt format
-    (``reprompt(prompt, demonstration=answer) + answer``), so the policy both writes Python often
-    enough for rewards to be non-zero and can read a demonstration in its context, which is what
-    makes its feedback-conditioned self-teacher informative (SDPO presupposes an instruction-following
-    model). Loss on the answer tokens only; AdamW. Returns the last loss.
+    Each batch mixes ``prompt + answer`` rows with rows in the SDPO reprompt formats: a demonstration
+    (``reprompt(prompt, solution=demo) + answer``, the demo being the answer 3 times in 4) and the
+    sandbox feedback of the recorded wrong answer (``reprompt(prompt, feedback=…) + answer``). SDPO
+    presupposes a policy that can read such a context; without it the self-teacher's predictions are
+    noise. Loss on the answer tokens only; AdamW. Returns the last loss.
     """
     import random
 
     import torch
 
+    from crf_core.rewards import UnitTestReward
     from crf_core.trainer.replay_dpo import load_pair_records
     from crf_core.trainer.reprompt import build_reprompts
 
     records = load_pair_records(pairs)
+    tests = {t["prompt"]: t["tests"] for t in tasks}
+    scorer = UnitTestReward(prepend_prompt=False)
+    feedback = {}
+    for record in records:  # what the sandbox says about each recorded wrong answer
+        prompt = record["prompt_messages"][-1]["content"]
+        feedback[prompt] = scorer.score(prompt + record["rejected"], tests[prompt]).feedback or None
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     loss_value = float("nan")
@@ -187,9 +196,10 @@ def warm_start(model: Any, tokenizer: Any, pairs: Path, steps: int, lr: float, s
             prompt = record["prompt_messages"][-1]["content"]
             other = rng.choice(records)  # a demonstration in the context is not always the answer
             demo = record["chosen"] if rng.random() < 0.75 else other["chosen"]
-            teacher = build_reprompts([prompt] * 2, [demo, ""], [1.0, 0.0], None, 2).reprompts[1].prompt
-            contexts += [prompt, str(teacher)]
-            answers += [record["chosen"]] * 2
+            with_demo = build_reprompts([prompt] * 2, [demo, ""], [1.0, 0.0], None, 2).reprompts[1].prompt
+            with_feedback = build_reprompts([prompt], [""], [0.0], [feedback[prompt]], 1).reprompts[0].prompt
+            contexts += [prompt, str(with_demo), str(with_feedback)]
+            answers += [record["chosen"]] * 3
         rows, labels = [], []
         for context, answer in zip(contexts, answers, strict=True):
             head = tokenizer(context)["input_ids"]
@@ -369,7 +379,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=os.environ.get("CRF_QUICK") == "1",
         help="CI-sized run (< 60 s): 4 steps, sync every 2 (also CRF_QUICK=1)",
     )
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per replica (default 40; quick 4)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per replica (default 60; quick 4)")
     parser.add_argument(
         "--sync-every", type=int, default=None, help="inner steps per DiLoCo round (default 10; quick 2)"
     )
@@ -398,16 +408,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--warmup-steps",
         type=int,
         default=None,
-        help="supervised warm-start steps on the teacher answers before RL (default 40; quick 10; 0 = none)",
+        help="supervised warm-start steps on the teacher answers before RL (default 60; quick 10; 0 = none)",
     )
     parser.add_argument("--warmup-lr", type=float, default=3e-3, help="warm-start learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-id", default=None, help="store prefix of this run (default: a fresh one)")
     opts = parser.parse_args(argv)
-    opts.steps = opts.steps or (4 if opts.quick else 40)
+    opts.steps = opts.steps or (4 if opts.quick else 60)
     opts.sync_every = opts.sync_every or (2 if opts.quick else 10)
     if opts.warmup_steps is None:
-        opts.warmup_steps = 10 if opts.quick else 40
+        opts.warmup_steps = 10 if opts.quick else 60
     if opts.replicas < 1 or opts.steps < 1 or opts.sync_every < 1:
         parser.error("--replicas, --steps and --sync-every must be >= 1")
     opts.run_id = opts.run_id or f"main-{int(time.time())}-{os.getpid()}"
@@ -432,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
     pairs = build_trace_pairs(output, tasks, opts.teacher_url, opts.teacher_model)
     policy = build_policy(opts.model, seed=opts.seed)
     if opts.warmup_steps:
-        loss = warm_start(*policy, pairs, opts.warmup_steps, opts.warmup_lr, opts.seed)
+        loss = warm_start(*policy, pairs, tasks, opts.warmup_steps, opts.warmup_lr, opts.seed)
         print(f"warm start: {opts.warmup_steps} supervised steps on the teacher answers, loss {loss:.3f}", flush=True)
 
     results: list[ReplicaResult] = [ReplicaResult(rank) for rank in range(opts.replicas)]

@@ -269,3 +269,21 @@ def test_replica_process_killed_mid_round_survivors_continue_and_restart_rejoins
             g = [torch.Generator().manual_seed(100_003 * r + round_id) for r in participants]
             expect = sum(torch.randn(257, generator=gen).double() for gen in g) / len(participants)
             torch.testing.assert_close(values[0].double(), expect, rtol=1e-6, atol=1e-6)
+
+
+def test_replica_that_cannot_read_a_committed_result_raises_desync(faulty_store: Any, fault_rule: FaultRule) -> None:
+    """The round committed (decision object) but this replica cannot read it: it must not report an
+    abort (the others committed) — it raises RoundDesyncError and the store shows the commit."""
+    from crf_diloco import RoundDesyncError
+
+    ar0 = ObjectStoreAllReduce("crffaulty://desync", 0, 2, timeout=5, quorum_timeout=0.2, poll_interval=0.01)
+    assert _round(ar0, 0, 0)[0] == "commit"  # rank 1 is late: rank 0 commits alone
+    fault_rule("read", lambda p: "r00000000/reduced/" in p, "oserror", count=10_000)
+    ar1 = ObjectStoreAllReduce("crffaulty://desync", 1, 2, timeout=0.5, poll_interval=0.01, retries=0)
+    ar1.round_id, ar1._joined = 0, True  # replay round 0 as the late replica
+    t = _x(1, 0)
+    before = t.clone()
+    with pytest.raises(RoundDesyncError, match="committed but this replica could not read"):
+        ar1.allreduce(t)
+    assert torch.equal(t, before)
+    assert ar1.latest_committed_round() == 0

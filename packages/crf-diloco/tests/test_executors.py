@@ -289,7 +289,8 @@ def test_cloud_executor_skeletons_raise_the_seed_message_at_construction(cls: ty
 def test_cloud_executor_skeletons_import_without_their_sdks() -> None:
     code = (
         "import sys\n"
-        "from crf_diloco.executors import ModalExecutor, HFJobsExecutor, LocalProcessExecutor\n"
+        "from crf_diloco import HFJobsExecutor, LocalProcessExecutor, ModalExecutor, RayExecutor\n"
+        "from crf_diloco import ReplicaResult, ServerlessExecutor, run_replicas\n"
         "import crf_diloco.executors.modal, crf_diloco.executors.hf_jobs, crf_diloco.executors.ray\n"
         "print(sorted(m for m in ('modal', 'huggingface_hub', 'ray') if m in sys.modules))\n"
     )

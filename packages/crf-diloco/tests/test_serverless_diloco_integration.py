@@ -300,6 +300,21 @@ def test_mockmanager_validation(memory_uri: str) -> None:
     assert manager._use_async_quorum is False  # DiLoCo raises ValueError on an async-quorum manager
 
 
+def test_mockmanager_world_size_1_runs_diloco_without_io(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: ModelFactory
+) -> None:
+    import fsspec
+
+    def no_io(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("world_size == 1 must not touch the store")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", no_io)
+    manager = MockManager(ObjectStoreAllReduce("s3://never-touched/x", 0, 1))
+    _train(manager, tiny_model(), 0, inner_steps=4, sync_every=2)
+    assert manager.current_step() == 2
+    assert manager.num_participants() == 1
+
+
 def test_survivors_continue_and_restarted_replica_heals(
     memory_uri: str, run_replicas: RunReplicas, tiny_model: ModelFactory
 ) -> None:

@@ -50,7 +50,7 @@ def test_payload_shards_roundtrip_with_ranged_reads(codec: str, n_shards: int, m
 def test_crc_detects_a_flipped_byte(memory_uri: str) -> None:
     x = torch.randn(1000)
     plan = ShardPlan.build(1000, "fp32", 2)
-    blob = bytearray(encode_payload(x, plan, {"token": "t"}))
+    blob = bytearray(b"".join(encode_payload(x, plan, {"token": "t"})))
     blob[-10] ^= 0x01  # inside shard 1's bytes
     store = ObjectStore(memory_uri)
     store.put_create("obj", bytes(blob))
@@ -60,10 +60,23 @@ def test_crc_detects_a_flipped_byte(memory_uri: str) -> None:
         read_payload_shard(store, "obj", header, plan, 1)
 
 
+def test_objects_load_with_the_safetensors_library() -> None:
+    from safetensors.torch import load
+
+    x = torch.randn(2 * INT8_BLOCK + 5)
+    for codec in ("fp32", "bf16", "int8"):
+        plan = ShardPlan.build(x.numel(), codec, 3)
+        loaded = load(b"".join(encode_payload(x, plan, {"token": "t"})))
+        assert set(loaded) == ({"q", "s"} if codec == "int8" else {"x"})
+        if codec == "fp32":
+            assert torch.equal(loaded["x"], x)
+
+
 def test_reduced_shard_checks_token_layout_and_crc() -> None:
     plan = ShardPlan.build(100, "int8", 1)
     values = torch.randn(100)
-    blob, decoded = encode_reduced(values, plan, 0, {"token": "abc"})
+    parts, decoded = encode_reduced(values, plan, 0, {"token": "abc"})
+    blob = b"".join(parts)
     got, _ = decode_reduced(blob, plan, 0, "k", "abc")
     assert torch.equal(got, decoded)
     with pytest.raises(CorruptObjectError, match="another round"):

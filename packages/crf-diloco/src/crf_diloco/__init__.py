@@ -11,20 +11,40 @@ from crf_diloco.errors import (
     RoundTimeoutError,
     StoreBackendMissingError,
 )
+from crf_diloco.executors import (
+    HFJobsExecutor,
+    LocalProcessExecutor,
+    ModalExecutor,
+    RayExecutor,
+    ReplicaFailureError,
+    ReplicaResult,
+    ServerlessExecutor,
+    raise_for_failures,
+    run_replicas,
+)
 from crf_diloco.manager import DILOCO_MANAGER_SURFACE, MockManager, ObjectStoreWork
 
 __all__ = [
     "DILOCO_MANAGER_SURFACE",
     "AllReduceError",
     "CorruptObjectError",
+    "HFJobsExecutor",
     "HealError",
+    "LocalProcessExecutor",
     "MockManager",
+    "ModalExecutor",
     "ObjectStoreAllReduce",
     "ObjectStoreWork",
+    "RayExecutor",
+    "ReplicaFailureError",
+    "ReplicaResult",
     "RoundAbortedError",
     "RoundDesyncError",
     "RoundInfo",
     "RoundTimeoutError",
+    "ServerlessExecutor",
     "StoreBackendMissingError",
     "__version__",
+    "raise_for_failures",
+    "run_replicas",
 ]

@@ -251,18 +251,13 @@ class ObjectStoreAllReduce:
             self.round_id += 1
             return tensors
         self._join()
-        flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensor_list])
+        flat = _flatten(tensor_list)
         round_id = self.round_id
         try:
-            result = self._run_round(round_id, flat, op, codec, participate, name)
+            pieces = self._run_round(round_id, flat, op, codec, participate, name)
         finally:
             self.round_id = round_id + 1
-        with torch.no_grad():
-            offset = 0
-            for t in tensor_list:
-                n = t.numel()
-                t.copy_(result[offset : offset + n].view(t.shape))
-                offset += n
+        _write_back(tensor_list, pieces)
         return tensors
 
     def abort(self, reason: str) -> None:
@@ -364,7 +359,7 @@ class ObjectStoreAllReduce:
 
     def _run_round(
         self, round_id: int, flat: torch.Tensor, op: str, codec: str, participate: bool, name: str | None
-    ) -> torch.Tensor:
+    ) -> list[torch.Tensor]:
         keys = RoundKeys(round_id)
         spec = {"numel": flat.numel(), "codec": codec, "op": op, "name": name}
         quorum: dict[str, Any] | None = None
@@ -455,7 +450,7 @@ class ObjectStoreAllReduce:
 
     def _data_phase(
         self, keys: RoundKeys, quorum: dict[str, Any], flat: torch.Tensor, spec: dict[str, Any]
-    ) -> torch.Tensor:
+    ) -> list[torch.Tensor]:
         participants = [int(r) for r in quorum["participants"]]
         plan = ShardPlan.from_json(quorum["plan"])
         token = str(quorum["token"])
@@ -479,12 +474,12 @@ class ObjectStoreAllReduce:
             del blob
             shard = participants.index(self.rank)
             local[shard] = self._reduce_shard(keys, quorum, plan, shard, deadline, own=flat)
-        result = self._gather(keys, quorum, plan, deadline, start, local, own=flat if mine else None)
+        pieces = self._gather(keys, quorum, plan, deadline, start, local, own=flat if mine else None)
         decision = self._write_decision(keys, "commit", "", token)
         if decision.get("outcome") != "commit":
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.get('reason', '')}")
         self._finish(keys, quorum, "commit", "")
-        return result
+        return pieces
 
     def _reduce_shard(
         self,
@@ -545,7 +540,7 @@ class ObjectStoreAllReduce:
         local: dict[int, torch.Tensor],
         own: torch.Tensor | None,
         cover: bool = True,
-    ) -> torch.Tensor:
+    ) -> list[torch.Tensor]:
         token = str(quorum["token"])
         shards = dict(local)
         attempt = 0
@@ -573,11 +568,11 @@ class ObjectStoreAllReduce:
                 continue
             self._sleep(attempt)
             attempt += 1
-        return torch.cat([shards[k] for k in range(plan.n_shards)])
+        return [shards[k] for k in range(plan.n_shards)]
 
     def _follow_commit(
         self, keys: RoundKeys, quorum: dict[str, Any], spec: dict[str, Any], decision: dict[str, Any]
-    ) -> torch.Tensor:
+    ) -> list[torch.Tensor]:
         """The round committed: read its result (reduced shards are immutable and verified)."""
         if quorum.get("spec") != spec:
             raise AllReduceError(
@@ -586,14 +581,14 @@ class ObjectStoreAllReduce:
         plan = ShardPlan.from_json(quorum["plan"])
         now = time.monotonic()
         try:
-            result = self._gather(keys, quorum, plan, now + self.timeout, now, {}, None, cover=False)
+            pieces = self._gather(keys, quorum, plan, now + self.timeout, now, {}, None, cover=False)
         except (_Abort, AllReduceError) as exc:
             self._finish(keys, quorum, "commit", "")
             raise RoundDesyncError(
                 f"round {keys.round_id} committed but this replica could not read its result: {exc}"
             ) from None
         self._finish(keys, quorum, "commit", str(decision.get("reason", "")), participated=False)
-        return result
+        return pieces
 
     def _finish(
         self,
@@ -615,6 +610,28 @@ class ObjectStoreAllReduce:
         self._expected = (set(participants) | announced) or None
         if participants and self.rank == min(participants) and keys.round_id >= self.keep_rounds:
             self.store.remove_tree(RoundKeys(keys.round_id - self.keep_rounds).prefix)
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The round's flat fp32 payload (a view, without a copy, for one contiguous fp32 CPU tensor)."""
+    if len(tensors) == 1:
+        return tensors[0].detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+
+
+def _write_back(tensors: list[torch.Tensor], pieces: list[torch.Tensor]) -> None:
+    """Copy the concatenation of ``pieces`` (fp32) into ``tensors`` in order, casting to their dtype."""
+    with torch.no_grad():
+        only = tensors[0]
+        if len(tensors) == 1 and only.dtype == torch.float32 and only.is_contiguous() and only.device.type == "cpu":
+            torch.cat(pieces, out=only.view(-1))
+            return
+        flat = torch.cat(pieces)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view(t.shape))
+            offset += n
 
 
 def _rank_of(entry: str) -> int | None:

@@ -177,7 +177,7 @@ class MockManager:
         self._use_async_quorum = False
         self._allreduce = allreduce
         self._min_replica_size = min_replica_size
-        self._checkpoint = checkpoint
+        self._checkpoint = checkpoint and allreduce.world_size > 1  # a lone replica never needs healing
         self._heal_timeout = heal_timeout if heal_timeout is not None else allreduce.timeout
         self._step = 0
         self._batches_committed = 0

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import fsspec
@@ -160,28 +160,34 @@ class ObjectStore:
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- operations ---------------------------------------------------------------------------
-    def put_create(self, key: str, data: bytes) -> bool:
-        """Write ``data`` at ``key`` only if nothing is there. Returns False if it already existed."""
+    def put_create(self, key: str, data: bytes | Sequence[memoryview]) -> bool:
+        """Write ``data`` (bytes, or buffers to concatenate) at ``key`` only if nothing is there.
+
+        Returns False if an object already existed there.
+        """
         path = self.path(key)
         fs = self.fs
+        parts = [memoryview(data)] if isinstance(data, bytes) else list(data)
         try:
             if isinstance(fs, LocalFileSystem):
-                self._call(f"create {key}", lambda: self._local_create(path, data))
+                self._call(f"create {key}", lambda: self._local_create(path, parts))
             else:
-                self._call(f"create {key}", lambda: fs.pipe_file(path, data, mode="create"))
+                joined = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+                self._call(f"create {key}", lambda: fs.pipe_file(path, joined, mode="create"))
         except FileExistsError:
             return False
         with self._lock:
-            self.bytes_written += len(data)
+            self.bytes_written += sum(p.nbytes for p in parts)
         return True
 
     @staticmethod
-    def _local_create(path: str, data: bytes) -> None:
+    def _local_create(path: str, parts: list[memoryview]) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in parts:
+                f.write(part)
         try:
             os.link(tmp, path)
         finally:

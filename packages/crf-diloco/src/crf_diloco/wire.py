@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
-from safetensors.torch import save as st_save
-
 from crf_diloco.errors import CorruptObjectError
 
 if TYPE_CHECKING:
@@ -41,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CODECS",
     "INT8_BLOCK",
+    "Blob",
     "WIRE_VERSION",
     "Header",
     "ShardPlan",
@@ -57,6 +56,10 @@ CODECS = ("fp32", "bf16", "int8")
 INT8_BLOCK = 512
 _INT8_MAX = 127.0
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+#: An encoded object as a list of buffers (header first), written without joining on local disks.
+Blob = list[memoryview]
 _HEADER_PROBE = 2048
 
 
@@ -138,13 +141,37 @@ def wire_roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
     return _decode_units(_encode_units(x.contiguous(), codec), codec, x.numel())
 
 
+def _buffer(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)  # numpy has no bf16: same bytes as int16
+    return memoryview(cast("Buffer", t.contiguous().numpy())).cast("B")
+
+
+def _safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Blob:
+    """Serialise to the safetensors format (8-byte LE header length, JSON header, raw little-endian
+    data) as buffers that point into the tensors, so a 256 MB payload is never copied in memory."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    parts: Blob = []
+    offset = 0
+    for name in sorted(tensors):
+        buf = _buffer(tensors[name])
+        header[name] = {
+            "dtype": _ST_NAMES[tensors[name].dtype],
+            "shape": list(tensors[name].shape),
+            "data_offsets": [offset, offset + buf.nbytes],
+        }
+        parts.append(buf)
+        offset += buf.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8-byte alignment
+    return [memoryview(struct.pack("<Q", len(raw)) + raw), *parts]
+
+
 def _crc(tensors: dict[str, torch.Tensor], a: int, b: int) -> int:
     crc = 0
     for name in sorted(tensors):
-        part = tensors[name][a:b]
-        if part.dtype == torch.bfloat16:
-            part = part.view(torch.int16)  # numpy has no bf16: hash the same bytes as int16
-        crc = zlib.crc32(cast("Buffer", part.contiguous().numpy()), crc)
+        crc = zlib.crc32(_buffer(tensors[name][a:b]), crc)
     return crc
 
 
@@ -152,13 +179,13 @@ def _meta(meta: dict[str, str], plan: ShardPlan) -> dict[str, str]:
     return {"crf_diloco": WIRE_VERSION, "codec": plan.codec, "numel": str(plan.numel), **meta}
 
 
-def encode_payload(flat: torch.Tensor, plan: ShardPlan, meta: dict[str, str]) -> bytes:
+def encode_payload(flat: torch.Tensor, plan: ShardPlan, meta: dict[str, str]) -> Blob:
     """A participant's whole payload as safetensors bytes with one CRC per shard."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() != plan.numel:
         raise ValueError(f"payload must be a flat fp32 tensor of {plan.numel} elements")
     tensors = _encode_units(flat, plan.codec)
     crcs = [_crc(tensors, plan.bounds[k], plan.bounds[k + 1]) for k in range(plan.n_shards)]
-    return st_save(tensors, metadata={**_meta(meta, plan), "crc": json.dumps(crcs)})
+    return _safetensors_blob(tensors, {**_meta(meta, plan), "crc": json.dumps(crcs)})
 
 
 @dataclass(frozen=True)
@@ -263,7 +290,7 @@ def read_payload_shard(store: ObjectStore, key: str, header: Header, plan: Shard
 
 def encode_reduced(
     values: torch.Tensor, plan: ShardPlan, shard: int, meta: dict[str, str]
-) -> tuple[bytes, torch.Tensor]:
+) -> tuple[Blob, torch.Tensor]:
     """Encode a reduced fp32 shard; also return its decoded values (what every reader will get)."""
     lo, hi = plan.elem_range(shard)
     if values.dtype != torch.float32 or values.numel() != hi - lo:
@@ -271,7 +298,7 @@ def encode_reduced(
     tensors = _encode_units(values, plan.codec)
     rows = plan.bounds[shard + 1] - plan.bounds[shard]
     crc = _crc(tensors, 0, rows)
-    blob = st_save(tensors, metadata={**_meta(meta, plan), "shard": str(shard), "crc": json.dumps([crc])})
+    blob = _safetensors_blob(tensors, {**_meta(meta, plan), "shard": str(shard), "crc": json.dumps([crc])})
     return blob, _decode_units(tensors, plan.codec, hi - lo)
 
 

@@ -1,5 +1,9 @@
 """Forward and reverse KL between a student and a (detached) teacher, per token, then aggregated.
 
+Sources: knowledge distillation with forward KL (Hinton et al., arXiv 1503.02531); reverse KL for
+on-policy/generalised distillation (GKD, Agarwal et al., arXiv 2306.13649; Thinking Machines "On-Policy
+Distillation", 2025). These are the ``alpha = 0`` / ``alpha = 1`` ends of :mod:`crf_distill.jsd`.
+
 * forward KL ``KL(T ‖ S) = Σ_v p_T(v) (log p_T(v) − log p_S(v))`` — mean-seeking (GKD/SDPO ``alpha = 0``);
 * reverse KL ``KL(S ‖ T) = Σ_v p_S(v) (log p_S(v) − log p_T(v))`` — mode-seeking (on-policy distillation,
   SDPO ``alpha = 1``).

@@ -10,6 +10,8 @@ EMA) and ``core_algos.py::compute_self_distillation_loss``. The student is the p
 from __future__ import annotations
 
 import copy
+import inspect
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,8 +62,21 @@ def response_logits(
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     num = response_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    kwargs = {"logits_to_keep": num + 1} if _accepts_logits_to_keep(model) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).logits
     return logits[:, -num - 1 : -1, :] / temperature
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``logits_to_keep`` (HF causal LMs do: the LM head then only runs
+    on the last positions, not on the prompt)."""
+    target: Any = model
+    if hasattr(target, "get_base_model"):  # PEFT wrapper
+        target = target.get_base_model()
+    try:
+        return "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def sdpo_loss(
