@@ -212,12 +212,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--s3-sizes", default=None, help="sizes for the moto S3 runs (default: --sizes)")
     parser.add_argument("--bytes-numel", default="1M")
-    parser.add_argument("--folder", default=None, help="local folder for the file-based variants (default: a temp dir)")
+    parser.add_argument(
+        "--folder",
+        default=None,
+        help="local folder for the file-based variants (default: a new dir in /dev/shm if present, else the temp dir)",
+    )
     args = parser.parse_args(argv)
 
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     s3_sizes = [_parse_size(s) for s in args.s3_sizes.split(",")] if args.s3_sizes else sizes
-    folder = args.folder or tempfile.mkdtemp(prefix="crf-allreduce-bench-")
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    folder = args.folder or tempfile.mkdtemp(prefix="crf-allreduce-bench-", dir=shm)
     moto = None
     jobs: list[dict[str, Any]] = []
     try:
@@ -266,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"ObjectStoreAllReduce vs Gloo: {args.replicas} replicas, fp32, median of {args.reps} (seconds; ratio = / gloo)"
     )
+    print(f"local folder: {folder}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
     print(f"{'elements':>10} {'variant':<16} {'time':>8} {'ratio':>7}")
     for numel in sizes:
         gloo = statistics.median(times[f"gloo/{numel}"])

@@ -93,17 +93,18 @@ class FaultyMemoryFileSystem(MemoryFileSystem):
         return str(super()._strip_protocol(str(path).removeprefix("crffaulty://")))
 
     def _fire(self, op: str, path: str) -> str | None:
+        action: Any = None
         with self.lock:
             for rule in self.rules:
                 if rule["op"] == op and rule["count"] > 0 and rule["match"](path):
                     rule["count"] -= 1
                     rule["fired"] += 1
                     action = rule["action"]
-                    if callable(action):
-                        action(path)
-                        return None
-                    return str(action)
-        return None
+                    break
+        if callable(action):
+            action(path)  # outside the lock: it may wait for other replicas
+            return None
+        return None if action is None else str(action)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         action = self._fire("read", path)

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
             return original(key, data)
 
         ar.store.put_create = put_create  # type: ignore[method-assign]
-    ar.round_id = ar.frontier()  # a restarted replica joins the round the others are in
+    ar.join()  # a restarted replica joins the round the others are in
     with open(log, "a") as out:
         while True:
             round_id = ar.round_id

@@ -223,8 +223,8 @@ def test_late_replica_observes_committed_round(memory_uri: str, run_replicas: Ru
     assert ar0.last_round is not None
     assert ar0.last_round.participants == [0]
     ar1 = ObjectStoreAllReduce(memory_uri, 1, 2, timeout=20)
-    ar1.round_id = 0
-    ar1._joined = True  # explicitly replay round 0 as a latecomer
+    assert ar1.frontier() == 1
+    ar1.join(0)  # explicitly replay round 0 as a latecomer
     t1 = torch.full((9,), 100.0)
     ar1.allreduce(t1)
     assert torch.equal(t1, t0)

@@ -321,11 +321,12 @@ def test_survivors_continue_and_restarted_replica_heals(
     """Rank 2 dies after 2 outer rounds; ranks 0-1 go on with 2 participants; a fresh rank 2 (new random
     init) loads the last committed state from the store, rejoins, and ends bit-identical."""
     init = tiny_model().state_dict()
-    world_size, target = 3, 6
+    world_size = 3
     rejoin = threading.Event()
+    stop_at: list[int] = []  # set by rank 0 two rounds after the restarted replica took part
 
     def manager_for(rank: int) -> MockManager:
-        return MockManager(ObjectStoreAllReduce(memory_uri, rank, world_size, timeout=10, quorum_timeout=0.5))
+        return MockManager(ObjectStoreAllReduce(memory_uri, rank, world_size, timeout=10, quorum_timeout=1.5))
 
     def run(rank: int, manager: MockManager, model: nn.Module, until: Callable[[], bool]) -> list[int]:
         participants = []
@@ -334,6 +335,7 @@ def test_survivors_continue_and_restarted_replica_heals(
         step = 0
         with DiLoCo(manager, [model], inner, outer, sync_every=2):
             while not until():
+                assert manager.current_step() < 40, "the run did not converge to a stop"
                 before = manager.current_step()
                 x, y = _batch(rank, step)
                 inner.zero_grad()
@@ -344,6 +346,9 @@ def test_survivors_continue_and_restarted_replica_heals(
                     participants.append(manager.num_participants())
                     if rank == 0 and manager.current_step() >= 3:
                         rejoin.set()
+                        if 2 in participants and participants[-1] == 3 and not stop_at:
+                            stop_at.append(manager.current_step() + 2)
+        manager.shutdown()
         return participants
 
     def replica(rank: int) -> tuple[int, list[torch.Tensor], list[int], int]:
@@ -356,17 +361,18 @@ def test_survivors_continue_and_restarted_replica_heals(
             model = tiny_model()  # a restarted process: fresh weights, fresh manager
             manager = manager_for(rank)
         first = manager.current_step()
-        participants = run(rank, manager, model, lambda: manager.current_step() >= target)
+        participants = run(rank, manager, model, lambda: bool(stop_at) and manager.current_step() >= stop_at[0])
         return manager.current_step(), _params(model), participants, first
 
     results = run_replicas(replica, world_size, timeout=120)
-    assert [r[0] for r in results] == [target] * world_size
+    assert [r[0] for r in results] == [stop_at[0]] * world_size
     for r in range(1, world_size):
-        assert all(torch.equal(a, b) for a, b in zip(results[r][1], results[0][1], strict=False)), f"rank {r} diverged"
+        assert all(torch.equal(a, b) for a, b in zip(results[r][1], results[0][1], strict=True)), f"rank {r} diverged"
     survivors = results[0][2]
     assert 2 in survivors, f"survivors continued with fewer participants: {survivors}"
     assert survivors[-1] == 3, f"the restarted replica rejoined as a participant: {survivors}"
     assert results[2][3] == 0  # the restarted manager started from scratch and healed
+    assert results[2][2], "the restarted replica committed rounds after healing"
 
 
 def test_mockmanager_matches_torchft_manager_with_lighthouse(

@@ -286,10 +286,8 @@ class ObjectStoreAllReduce:
         return sorted(r for r in (parse_round_dir(n) for n in self.store.list_names("")) if r is not None)
 
     def frontier(self) -> int:
-        """The round replicas are in now: the newest round if undecided, else the one after it.
-
-        Also marks this instance as joined, so its next round starts there (and not earlier).
-        """
+        """The round replicas are in now: the newest round if undecided, else the one after it
+        (never less than this instance's ``round_id``)."""
         self._check_layout()
         rounds = self._round_ids()
         frontier = self.round_id
@@ -297,13 +295,23 @@ class ObjectStoreAllReduce:
             last = rounds[-1]
             decided = self.store.exists(RoundKeys(last).decision)
             frontier = max(frontier, last + 1 if decided else last)
-        self._joined = True
         return frontier
 
+    def join(self, round_id: int | None = None) -> int:
+        """Set the next round to ``round_id`` (default: the :meth:`frontier`) and return it.
+
+        A new instance joins the frontier by itself at its first round, which skips rounds decided
+        by an earlier run under the same ``run_id``; call this to choose the round explicitly.
+        """
+        if round_id is not None and round_id < 0:
+            raise ValueError(f"round_id must be >= 0, got {round_id}")
+        self.round_id = self.frontier() if round_id is None else round_id
+        self._joined = True
+        return self.round_id
+
     def _join(self) -> None:
-        """First round of this instance: check the layout version and skip decided rounds."""
         if not self._joined:
-            self.round_id = self.frontier()
+            self.join()
 
     def _check_layout(self) -> None:
         if self._layout_ok:

@@ -44,7 +44,7 @@ DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
     "should_commit",
     "start_quorum",
 )
-_KEEP_STATES = 2
+_KEEP_STATES = 3
 
 
 class _FlushingFuture(torch.futures.Future[Any]):
@@ -404,18 +404,30 @@ class MockManager:
             logger.warning("could not write the checkpoint of round %d: %s", r, e)
 
     def _maybe_heal(self) -> None:
+        """Load the last committed state if this replica is behind the store, then observe one round."""
         if self._allreduce.world_size == 1:
             return
-        frontier = self._allreduce.frontier()
-        latest = self._allreduce.latest_committed_round()
-        if latest is None or latest == self._last_committed_round:
-            return
-        if not self._load_fns:
-            raise HealError(
-                f"rank {self.rank} is behind the store (last committed round {latest}) but no state is "
-                "registered to load; use MockManager with torchft DiLoCo (it registers its state)"
-            )
-        blob = self._await_state(latest)
+        deadline = time.monotonic() + self._heal_timeout
+        while True:
+            # frontier first: every round between the latest commit read afterwards and it aborted
+            frontier = self._allreduce.frontier()
+            latest = self._allreduce.latest_committed_round()
+            if latest is None or latest == self._last_committed_round:
+                return
+            if not self._load_fns:
+                raise HealError(
+                    f"rank {self.rank} is behind the store (last committed round {latest}) but no state is "
+                    "registered to load; use MockManager with torchft DiLoCo (it registers its state)"
+                )
+            blob = self._allreduce.store.try_get(state_key(latest))
+            if blob is not None:
+                break
+            if time.monotonic() > deadline:  # its writer may have died: others write it at start_quorum
+                raise HealError(
+                    f"rank {self.rank} is behind but the state of committed round {latest} "
+                    f"({state_key(latest)}) did not appear within {self._heal_timeout:.1f}s"
+                )
+            time.sleep(self._allreduce.poll_interval)
         state = loads_state(blob)
         for key, load_fn in self._load_fns.items():
             if key not in state:
@@ -423,20 +435,6 @@ class MockManager:
             load_fn(state[key])
         self.load_state_dict(state["torchft"])
         self._last_committed_round = latest
-        self._allreduce.round_id = frontier
+        self._allreduce.join(frontier)
         self._observe_next = True
         logger.info("rank %d healed from round %d (step %d)", self.rank, latest, self._step)
-
-    def _await_state(self, round_id: int) -> bytes:
-        deadline = time.monotonic() + self._heal_timeout
-        key = state_key(round_id)
-        while True:
-            blob = self._allreduce.store.try_get(key)
-            if blob is not None:
-                return blob
-            if time.monotonic() > deadline:
-                raise HealError(
-                    f"rank {self.rank} is behind but the state of committed round {round_id} ({key}) did not "
-                    f"appear within {self._heal_timeout:.1f}s"
-                )
-            time.sleep(self._allreduce.poll_interval)

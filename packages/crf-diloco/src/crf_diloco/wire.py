@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
+
 from crf_diloco.errors import CorruptObjectError
 
 if TYPE_CHECKING:
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CODECS",
     "INT8_BLOCK",
-    "Blob",
     "WIRE_VERSION",
+    "Blob",
     "Header",
     "ShardPlan",
     "decode_reduced",
@@ -143,6 +144,8 @@ def wire_roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
 
 def _buffer(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)  # numpy has no bf16: same bytes as int16
     return memoryview(cast("Buffer", t.contiguous().numpy())).cast("B")
@@ -233,7 +236,7 @@ def read_header(store: ObjectStore, key: str) -> Header:
     return parsed
 
 
-def _frombuffer(buf: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _frombuffer(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     count = 1
     for s in shape:
         count *= s
@@ -313,11 +316,12 @@ def decode_reduced(blob: bytes, plan: ShardPlan, shard: int, key: str, token: st
         raise CorruptObjectError(f"{key}: belongs to another round or shard (metadata {parsed.metadata!r})")
     crc = 0
     parts: dict[str, torch.Tensor] = {}
+    view = memoryview(blob)
     for name in sorted(parsed.tensors):
         dtype, shape, start, end = parsed.tensors[name]
         if end > len(blob):
             raise CorruptObjectError(f"{key}: truncated object")
-        buf = blob[start:end]
+        buf = view[start:end]
         crc = zlib.crc32(buf, crc)
         parts[name] = _frombuffer(buf, dtype, shape)
     try:

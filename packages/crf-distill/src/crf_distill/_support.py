@@ -79,7 +79,8 @@ def kl_per_token(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Te
     Entries where ``log p_v = −inf`` (masked vocabulary) are excluded before the product so that neither the
     value nor the gradient becomes NaN.
     """
+    diff = p_logprobs - q_logprobs
     dead = torch.isneginf(p_logprobs)
-    zero = torch.zeros((), dtype=p_logprobs.dtype, device=p_logprobs.device)
-    diff = torch.where(dead, zero, p_logprobs - q_logprobs)
+    if bool(dead.any()):
+        diff = torch.where(dead, torch.zeros((), dtype=diff.dtype, device=diff.device), diff)
     return (torch.exp(p_logprobs) * diff).sum(-1)

@@ -215,7 +215,8 @@ class _ChunkedFused(torch.autograd.Function):
                         with torch.no_grad():
                             teacher = teacher_logits_fn(rows)
                     w_rows = term.weights[rows].to(dtype)
-                    value = (term.per_token(z[sel], teacher, rows) * w_rows).sum()
+                    student = z if sel.numel() == stop - start else z[sel]  # no copy when every row is used
+                    value = (term.per_token(student, teacher, rows) * w_rows).sum()
                     values[k] += value.detach()
                     chunk_loss = chunk_loss + term.scale * value
                 wrt = [x for x, need in ((h, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need and x is not None]

@@ -45,6 +45,10 @@ def generalized_jsd_from_logprobs(s: torch.Tensor, t: torch.Tensor, alpha: float
     if alpha == 1.0:
         return kl_per_token(s, t)
     dead = torch.isneginf(s) & torch.isneginf(t)
+    if not bool(dead.any()):
+        mix = torch.logaddexp(s + math.log1p(-alpha), t + math.log(alpha))
+        return alpha * kl_per_token(t, mix) + (1.0 - alpha) * kl_per_token(s, mix)
+    # entries masked on both sides (−inf): keep logaddexp's inputs finite so its gradient is not NaN
     zero = torch.zeros((), dtype=s.dtype, device=s.device)
     mix = torch.logaddexp(torch.where(dead, zero, s) + math.log1p(-alpha), torch.where(dead, zero, t) + math.log(alpha))
     mix = torch.where(dead, torch.full((), float("-inf"), dtype=s.dtype, device=s.device), mix)
