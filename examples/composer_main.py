@@ -306,7 +306,12 @@ def run_replica(
     allreduce = ObjectStoreAllReduce(store, rank, opts.replicas, run_id=opts.run_id, timeout=opts.sync_timeout)
     manager = MockManager(allreduce)
     trainer.create_optimizer()
-    outer = torch.optim.SGD(trainer.model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    outer = torch.optim.SGD(
+        trainer.model.parameters(),
+        lr=opts.outer_lr,
+        momentum=opts.outer_momentum,
+        nesterov=opts.outer_momentum > 0,
+    )
     with DiLoCo(manager, [trainer.model], trainer.optimizer, outer, sync_every=opts.sync_every, pin_memory=False):
         trainer.train()
     result.rounds_committed = int(manager.current_step())
@@ -316,17 +321,22 @@ def run_replica(
 
 
 # --------------------------------------------------------------------------- report
-def _mean_tail(history: list[dict[str, float]], key: str, n: int = 5) -> float:
-    values = [row[key] for row in history if key in row][-n:]
+def _mean(history: list[dict[str, float]], key: str, window: slice) -> float:
+    values = [row[key] for row in history if key in row][window]
     return sum(values) / len(values) if values else float("nan")
 
 
+def _mean_tail(history: list[dict[str, float]], key: str, n: int = 5) -> float:
+    return _mean(history, key, slice(-n, None))
+
+
 def summary_table(results: Sequence[ReplicaResult]) -> str:
-    """One row per replica: mean reward and channel losses over the last 5 steps, rounds, bytes synced."""
-    header = ["replica", "reward", *CHANNELS, "rounds", "MB synced", "time s"]
+    """One row per replica: mean reward over the first → last 5 steps, channel losses over the last 5
+    steps, DiLoCo rounds committed and bytes synced through the store."""
+    header = ["replica", "reward (first 5 -> last 5)", *CHANNELS, "rounds", "MB synced", "time s"]
     rows = []
     for r in results:
-        first = r.history[0]["reward"] if r.history else float("nan")
+        first = _mean(r.history, "reward", slice(0, 5))
         rows.append(
             [
                 str(r.rank),
@@ -397,12 +407,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--teacher-model", default="reference-solutions", help="teacher model name for --teacher-url")
     parser.add_argument("--generations", type=int, default=4, help="rollouts per prompt (GRPO group size)")
     parser.add_argument("--max-completion-length", type=int, default=10, help="tokens per rollout")
-    parser.add_argument("--lr", type=float, default=5e-4, help="inner (AdamW) learning rate of the RL phase")
+    parser.add_argument("--lr", type=float, default=2e-4, help="inner (AdamW) learning rate of the RL phase")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the rollouts")
     parser.add_argument("--grpo-weight", type=float, default=1.0, help="weight of channel grpo (0 = off)")
     parser.add_argument("--sdpo-weight", type=float, default=1.0, help="weight of channel sdpo_jsd (0 = off)")
     parser.add_argument("--dpo-weight", type=float, default=1.0, help="weight of channel trace_replay_dpo (0 = off)")
     parser.add_argument("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
+    parser.add_argument(
+        "--outer-lr",
+        type=float,
+        default=1.0,
+        help="DiLoCo outer SGD learning rate (1.0 with no momentum = averaging the replicas; the paper: 0.7)",
+    )
+    parser.add_argument(
+        "--outer-momentum", type=float, default=0.0, help="DiLoCo outer Nesterov momentum (the paper: 0.9)"
+    )
     parser.add_argument("--sync-timeout", type=float, default=120.0, help="seconds a DiLoCo round may wait for peers")
     parser.add_argument(
         "--warmup-steps",

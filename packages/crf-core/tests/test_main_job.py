@@ -43,7 +43,7 @@ def _check_run(main: ModuleType, out: Path, steps: int, sync_every: int, capsys:
         assert r.bytes_read > 0
     assert "trace replay: 12 pairs" in printed
     assert "kept 12 of 12" in printed
-    assert " replica | reward " in printed
+    assert " replica | reward (first 5 -> last 5) " in printed
     assert "[replica 1] step" in printed
     assert (out / "composer_main.png").stat().st_size > 10_000
     assert (out / "trace_pairs.jsonl").read_text().count("\n") == 12

@@ -167,7 +167,7 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
         sdpo_alpha=0.5,
         sdpo_top_k=8,
     )
-    assert sdpo == pytest.approx(float(reference.sdpo_jsd), rel=1e-5, abs=1e-7)
+    assert sdpo == pytest.approx(float(reference.sdpo_jsd.detach()), rel=1e-5, abs=1e-7)
 
     # trace-replay DPO == compose_loss's trace_replay_dpo on the same two pairs and reference
     trainer._pair_order, trainer._pair_cursor = cursor
@@ -191,7 +191,7 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
         lm_ce_weight=0.0,
         sdpo_weight=0.0,
     )
-    assert dpo == pytest.approx(float(reference.trace_replay_dpo), rel=1e-5, abs=1e-7)
+    assert dpo == pytest.approx(float(reference.trace_replay_dpo.detach()), rel=1e-5, abs=1e-7)
     # the 'initial' reference is the untrained policy's summed log-probs
     with torch.no_grad():
         c0, r0 = pair_logps(trainer.sdpo_teacher.module, pb, average=False)
@@ -199,7 +199,7 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
     torch.testing.assert_close(ref_r, r0.float())
 
     # the composition: w_grpo·grpo + (w_sdpo·sdpo + w_dpo·dpo) / GA
-    assert float(total) == pytest.approx(float(grpo) + (0.3 * sdpo + 0.7 * dpo) / 2, rel=1e-5)
+    assert float(total.detach()) == pytest.approx(float(grpo.detach()) + (0.3 * sdpo + 0.7 * dpo) / 2, rel=1e-5)
 
 
 def test_simpo_variant_is_reference_free(tmp_path: Path) -> None:
@@ -226,7 +226,7 @@ def test_simpo_variant_is_reference_free(tmp_path: Path) -> None:
         sdpo_weight=0.0,
         dpo_variant="simpo",
     )
-    assert float(loss) == pytest.approx(float(reference.trace_replay_dpo), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(reference.trace_replay_dpo.detach()), rel=1e-5)
 
 
 def test_precomputed_reference_is_used(tmp_path: Path) -> None:

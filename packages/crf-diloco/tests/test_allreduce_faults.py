@@ -300,3 +300,14 @@ def test_replica_that_cannot_read_a_committed_result_raises_desync(faulty_store:
         ar1.allreduce(t)
     assert torch.equal(t, before)
     assert ar1.latest_committed_round() == 0
+
+
+def test_malformed_quorum_record_aborts(memory_uri: str) -> None:
+    ar = ObjectStoreAllReduce(memory_uri, 0, 2, timeout=5, poll_interval=0.01)
+    ar.join(0)
+    ar.store.put_create(RoundKeys(0).quorum, b'{"participants": [1, 0], "token": 5}')
+    t = torch.ones(4)
+    with pytest.raises(RoundAbortedError, match="quorum record"):
+        ar.allreduce(t)
+    assert torch.equal(t, torch.ones(4))
+    assert json.loads(ar.store.get(RoundKeys(0).decision))["outcome"] == "abort"

@@ -379,6 +379,7 @@ class ObjectStoreAllReduce:
                 quorum = self._read_json(keys.quorum)
                 if quorum is None:
                     raise CorruptObjectError(f"round {round_id} committed without a quorum record")
+                quorum = _checked_quorum(quorum, keys)
                 return self._follow_commit(keys, quorum, spec, decision)
             stale_self = self._announce(keys, spec, participate)
             quorum = self._await_quorum(keys, stale_self)
@@ -414,7 +415,7 @@ class ObjectStoreAllReduce:
         while True:
             quorum = self._read_json(keys.quorum)
             if quorum is not None:
-                return quorum
+                return _checked_quorum(quorum, keys)
             self._check_decided(keys)
             if stale_self:
                 raise _Abort(f"round {keys.round_id} holds a member record of another incarnation of rank {self.rank}")
@@ -556,7 +557,7 @@ class ObjectStoreAllReduce:
             for k in range(plan.n_shards):
                 if k in shards:
                     continue
-                blob = self.store.try_get(keys.reduced(k))
+                blob = self.store.try_view(keys.reduced(k))
                 if blob is None:
                     continue
                 try:
@@ -640,6 +641,24 @@ def _write_back(tensors: list[torch.Tensor], pieces: list[torch.Tensor]) -> None
             n = t.numel()
             t.copy_(flat[offset : offset + n].view(t.shape))
             offset += n
+
+
+def _checked_quorum(quorum: dict[str, Any], keys: RoundKeys) -> dict[str, Any]:
+    """The quorum record, after checking the fields the protocol relies on."""
+    try:
+        participants = [int(r) for r in quorum["participants"]]
+        ok = (
+            participants == sorted(set(participants))
+            and isinstance(quorum["token"], str)
+            and isinstance(quorum["incarnations"], dict)
+            and isinstance(quorum["spec"], dict)
+            and ShardPlan.from_json(quorum["plan"]).n_shards == len(participants)
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptObjectError(f"{keys.quorum}: malformed quorum record ({exc!r})") from exc
+    if not ok:
+        raise CorruptObjectError(f"{keys.quorum}: inconsistent quorum record {quorum!r}")
+    return quorum
 
 
 def _rank_of(entry: str) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import threading
 import time
@@ -61,6 +62,14 @@ def _missing_adapter_error(uri: str, protocol: str, cause: BaseException) -> Sto
 
 def _is_precondition_failed(exc: OSError) -> bool:
     return exc.errno == errno.EINVAL and "precondition" in str(exc).lower()
+
+
+def _map_file(path: str) -> memoryview:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 class ObjectStore:
@@ -219,6 +228,33 @@ class ObjectStore:
         with self._lock:
             self.bytes_read += len(data)
         return bytes(data)
+
+    def view(self, key: str, start: int | None = None, end: int | None = None) -> memoryview:
+        """Bytes ``[start, end)`` (default: all) of an object as a read-only buffer.
+
+        On a local disk the file is memory-mapped (objects are immutable, so the mapping stays
+        valid even after garbage collection unlinks the file): no copy into Python memory.
+        Elsewhere it is one (ranged) read.
+        """
+        if start is not None and end is not None and not 0 <= start <= end:
+            raise ValueError(f"bad byte range [{start}, {end}) for {key}")
+        path = self.path(key)
+        if isinstance(self.fs, LocalFileSystem):
+            data = self._call(f"map {key}", lambda: _map_file(path))[start:end]
+        elif start is None and end is None:
+            data = memoryview(self._call(f"read {key}", lambda: self.fs.cat_file(path)))
+        else:
+            data = memoryview(self._call(f"ranged read {key}", lambda: self.fs.cat_file(path, start=start, end=end)))
+        with self._lock:
+            self.bytes_read += data.nbytes
+        return data
+
+    def try_view(self, key: str) -> memoryview | None:
+        """Whole object as a buffer (see :meth:`view`), or ``None`` if absent."""
+        try:
+            return self.view(key)
+        except FileNotFoundError:
+            return None
 
     def exists(self, key: str) -> bool:
         path = self.path(key)

@@ -200,7 +200,7 @@ class Header:
     data_start: int
 
 
-def _parse_header(blob: bytes, key: str) -> Header | int:
+def _parse_header(blob: bytes | memoryview, key: str) -> Header | int:
     """Header from the first bytes of an object, or the number of bytes needed if ``blob`` is short."""
     if len(blob) < 8:
         raise CorruptObjectError(f"{key}: object shorter than a safetensors header")
@@ -210,7 +210,7 @@ def _parse_header(blob: bytes, key: str) -> Header | int:
     if len(blob) < 8 + n:
         return 8 + n
     try:
-        raw = json.loads(blob[8 : 8 + n])
+        raw = json.loads(bytes(blob[8 : 8 + n]))
     except ValueError as exc:
         raise CorruptObjectError(f"{key}: safetensors header is not JSON ({exc})") from exc
     metadata = raw.pop("__metadata__", None) or {}
@@ -280,7 +280,7 @@ def read_payload_shard(store: ObjectStore, key: str, header: Header, plan: Shard
         row_bytes = torch.empty((), dtype=dtype).element_size()
         for s in shape[1:]:
             row_bytes *= s
-        buf = store.get_range(key, start + a * row_bytes, start + b * row_bytes)
+        buf = store.view(key, start + a * row_bytes, start + b * row_bytes)
         if len(buf) != (b - a) * row_bytes:
             raise CorruptObjectError(f"{key}: short read for {name} (got {len(buf)} of {(b - a) * row_bytes} bytes)")
         crc = zlib.crc32(buf, crc)
@@ -305,7 +305,9 @@ def encode_reduced(
     return blob, _decode_units(tensors, plan.codec, hi - lo)
 
 
-def decode_reduced(blob: bytes, plan: ShardPlan, shard: int, key: str, token: str) -> tuple[torch.Tensor, Header]:
+def decode_reduced(
+    blob: bytes | memoryview, plan: ShardPlan, shard: int, key: str, token: str
+) -> tuple[torch.Tensor, Header]:
     """Verify (layout, token, CRC) and decode a reduced shard object to fp32."""
     parsed = _parse_header(blob, key)
     if isinstance(parsed, int):
