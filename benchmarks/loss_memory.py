@@ -21,7 +21,7 @@ How memory is measured (CPU, honest)
     its own ``mmap`` and to return freed memory at once (``MALLOC_MMAP_THRESHOLD_=65536``,
     ``MALLOC_TRIM_THRESHOLD_=0``), and PyTorch's CPU allocator does not cache, so the process's resident set
     tracks live tensor bytes. The figure reported is the kernel's resident-set high-water mark during the
-    first forward+backward (``getrusage(RUSAGE_SELF).ru_maxrss``) minus the resident set just before it
+    first (cold) forward+backward (``getrusage(RUSAGE_SELF).ru_maxrss``) minus the resident set just before it
     (inputs, weights and libraries already loaded). The script prints how far the high-water mark already
     exceeded the baseline before the run ("slack"); it should be ~0. ``tracemalloc`` would miss tensor
     storage entirely, and the torch profiler's CPU memory events do not give a reliable timeline, hence RSS.

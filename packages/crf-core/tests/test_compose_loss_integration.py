@@ -439,3 +439,36 @@ def test_chunked_path_rejects_models_it_cannot_fuse(tiny_causal_lm: Any) -> None
         compose_loss(Wrapped(tiny_causal_lm), inputs, chunk_size=8)
     with pytest.raises(ValueError, match="chunk_size"):
         compose_loss(tiny_causal_lm, inputs, chunk_size=0)
+
+
+def _other_architecture(name: str) -> Any:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":  # tied input/output embeddings, learned positions
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_other_hugging_face_architectures(arch: str) -> None:
+    model = _other_architecture(arch)
+    inputs = make_inputs()
+    out = compose_loss(model, inputs, sdpo_top_k=10)
+    fused = compose_loss(model, inputs, sdpo_top_k=10, chunk_size=7)
+    assert all(torch.isfinite(x) for x in (out.lm_ce, out.sdpo_jsd, out.trace_replay_dpo))
+    assert torch.allclose(fused.total, out.total, atol=1e-6)
+    for a, b in zip(params_with_grad(model, fused.total), params_with_grad(model, out.total), strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, atol=1e-6)

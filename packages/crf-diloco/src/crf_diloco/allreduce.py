@@ -45,6 +45,7 @@ from crf_diloco.errors import (
     RoundDesyncError,
     RoundTimeoutError,
 )
+from crf_diloco.executors.base import ENV_RANK, ENV_RUN_ID, ENV_URI, ENV_WORLD_SIZE
 from crf_diloco.layout import LAYOUT_VERSION, RoundKeys, parse_round_dir, validate_name
 from crf_diloco.store import ObjectStore
 from crf_diloco.wire import (
@@ -61,10 +62,6 @@ from crf_diloco.wire import (
 
 __all__ = ["ENV_RANK", "ENV_RUN_ID", "ENV_URI", "ENV_WORLD_SIZE", "ObjectStoreAllReduce", "RoundInfo"]
 
-ENV_RANK = "CRF_DILOCO_RANK"
-ENV_WORLD_SIZE = "CRF_DILOCO_WORLD_SIZE"
-ENV_URI = "CRF_DILOCO_URI"
-ENV_RUN_ID = "CRF_DILOCO_RUN_ID"
 
 TensorOrList = TypeVar("TensorOrList", torch.Tensor, Sequence[torch.Tensor])
 Compression = Literal["bf16", "int8"]
@@ -173,7 +170,8 @@ class ObjectStoreAllReduce:
     def from_env(cls, **kwargs: Any) -> ObjectStoreAllReduce:
         """Build from ``CRF_DILOCO_URI``, ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE`` and
         ``CRF_DILOCO_RUN_ID`` (optional, default ``"default"``); ``kwargs`` override or extend them."""
-        missing = [k for k in (ENV_URI, ENV_RANK, ENV_WORLD_SIZE) if k not in os.environ and k.lower() not in kwargs]
+        required = ((ENV_URI, "uri"), (ENV_RANK, "rank"), (ENV_WORLD_SIZE, "world_size"))
+        missing = [env for env, name in required if env not in os.environ and name not in kwargs]
         if missing:
             raise KeyError(f"environment variables {missing} are not set; launch replicas with `crf-diloco launch`")
         params: dict[str, Any] = {}
