@@ -267,6 +267,16 @@ def run_replica(
 
     result = ReplicaResult(rank)
     start = time.monotonic()
+    # Built first, with a probe write/read, so a wrong URI or missing credentials fail before training.
+    allreduce = ObjectStoreAllReduce(
+        store,
+        rank,
+        opts.replicas,
+        run_id=opts.run_id,
+        timeout=opts.sync_timeout,
+        storage_options=opts.storage_options or None,
+        preflight=True,
+    )
     model, tokenizer = copy.deepcopy(policy[0]), policy[1]  # same initial weights on every replica
     rows = [{"prompt": t["prompt"], "tests": t["tests"]} for t in tasks]
     config = ComposerConfig(
@@ -303,7 +313,6 @@ def run_replica(
 
     trainer.remove_callback(PrinterCallback)  # the progress callback prints a compact line instead
     trainer.add_callback(_progress_callback(rank, opts.steps, result, start))
-    allreduce = ObjectStoreAllReduce(store, rank, opts.replicas, run_id=opts.run_id, timeout=opts.sync_timeout)
     manager = MockManager(allreduce)
     trainer.create_optimizer()
     outer = torch.optim.SGD(
@@ -379,6 +388,17 @@ def plot(results: Sequence[ReplicaResult], path: Path, sync_every: int) -> None:
 
 
 # --------------------------------------------------------------------------- main
+def _storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` → ``(KEY, VALUE)``; VALUE is decoded as JSON when it is valid JSON, else kept as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. endpoint_url=http://127.0.0.1:9000), got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -398,6 +418,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--store",
         default=None,
         help="fsspec URI of the object store (default: <output-dir>/store; e.g. s3://bucket/prefix)",
+    )
+    parser.add_argument(
+        "--storage-option",
+        dest="storage_options",
+        type=_storage_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec option of --store, repeatable; VALUE is parsed as JSON when it is JSON "
+        "(e.g. endpoint_url=http://127.0.0.1:9000, client_kwargs='{\"region_name\": \"us-east-1\"}'). "
+        "s3fs also reads AWS_ENDPOINT_URL and the AWS_* credentials from the environment",
     )
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2-135m"), help="policy to train")
     parser.add_argument("--output-dir", default=None, help="where the plot, logs and store go (default: a temp folder)")
@@ -439,6 +470,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         opts.warmup_steps = 10 if opts.quick else 60
     if opts.replicas < 1 or opts.steps < 1 or opts.sync_every < 1:
         parser.error("--replicas, --steps and --sync-every must be >= 1")
+    opts.storage_options = dict(opts.storage_options)
     opts.run_id = opts.run_id or f"main-{int(time.time())}-{os.getpid()}"
     return opts
 
