@@ -255,7 +255,8 @@ def wheels(session: nox.Session) -> None:
         target = f"{wheel}[{extras}]" if extras else str(wheel)
         # Siblings come from dist/ only (find-links); everything else from the registry, as a user would get it.
         session.run_install(*pip, "--find-links", str(dist), target, "-r", str(test_req), external=True)
-        session.run(py, "-c", f"import {package.replace('-', '_')} as m; print(m.__name__, m.__version__, m.__file__)")
+        probe = f"import {package.replace('-', '_')} as m; print(m.__name__, m.__version__, m.__file__)"
+        session.run(py, "-c", probe, external=True)
         REPORTS.mkdir(exist_ok=True)
         session.run(
             py, "-m", "pytest", *_tests_dirs([package]), *PYTEST_DEFAULT,
@@ -294,6 +295,7 @@ def docs(session: nox.Session) -> None:
     """mkdocs --strict, and the checks that every test the docs cite exists."""
     session.install("-r", str(_export(session, "--only-group", "docs")))
     session.install("-r", str(_export(session, "--only-group", "test")))
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(Path(session.create_tmp()) / "site"))
     run_pytest(session, [str(ROOT / "tests")])
 
