@@ -7,6 +7,7 @@ sigmoid and sums, whereas the package works in log space. Tests reach these thro
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -198,3 +199,40 @@ def randn(gen: torch.Generator, *shape: int, scale: float = 2.0, grad: bool = Fa
 def rand() -> object:
     """``rand(gen, *shape, scale=2.0, grad=False)`` float64 normal tensor."""
     return randn
+
+
+LogitBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@pytest.fixture
+def logit_batch(gen: torch.Generator) -> Callable[..., LogitBatch]:
+    """``logit_batch(B, T, V, drop=0.3)`` -> student logits (requires grad), teacher logits ``(B, T, V)`` and a
+    float mask ``(B, T)`` that drops about ``drop`` of the tokens (``mask[0, 0]`` always kept); drawn from ``gen``."""
+
+    def draw(b: int, t: int, v: int, *, drop: float = 0.3) -> LogitBatch:
+        student = randn(gen, b, t, v, grad=True)
+        teacher = randn(gen, b, t, v)
+        mask = (torch.rand(b, t, generator=gen) > drop).double()
+        mask[0, 0] = 1.0
+        return student, teacher, mask
+
+    return draw
+
+
+def assert_value_and_grads(
+    got: torch.Tensor, want: torch.Tensor, wrt: Sequence[torch.Tensor], *, atol: float = 1e-10
+) -> None:
+    """``got`` (the package's 0-d loss) equals the float64 reference ``want`` in value and in its gradient
+    with respect to every tensor of ``wrt``."""
+    assert got.dim() == 0
+    assert torch.allclose(got, want, atol=atol), (got.item(), want.item())
+    g_got = torch.autograd.grad(got, list(wrt))
+    g_want = torch.autograd.grad(want, list(wrt))
+    for a, b in zip(g_got, g_want, strict=True):
+        assert torch.allclose(a, b, atol=atol)
+
+
+@pytest.fixture
+def check_against_ref() -> Callable[..., None]:
+    """``check_against_ref(got, want, wrt, atol=1e-10)``: value and gradients of a loss equal its reference."""
+    return assert_value_and_grads

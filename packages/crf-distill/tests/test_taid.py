@@ -13,26 +13,18 @@ from crf_distill import TAIDSchedule, taid_loss, taid_target_logprobs
 B, T, V = 2, 4, 11
 
 
-def _inputs(gen, rand):  # type: ignore[no-untyped-def]
-    s = rand(gen, B, T, V, grad=True)
-    t = rand(gen, B, T, V)
-    mask = (torch.rand(B, T, generator=gen) > 0.3).double()
-    mask[0, 0] = 1.0
-    return s, t, mask
-
-
 @pytest.mark.parametrize("interpolation", ["logit", "probability"])
 @pytest.mark.parametrize("with_anchor", [False, True])
-def test_target_matches_reference(ref, gen, rand, interpolation, with_anchor) -> None:  # type: ignore[no-untyped-def]
-    s, t, _ = _inputs(gen, rand)
+def test_target_matches_reference(logit_batch, ref, gen, rand, interpolation, with_anchor) -> None:  # type: ignore[no-untyped-def]
+    s, t, _ = logit_batch(B, T, V)
     anchor = rand(gen, B, T, V) if with_anchor else None
     got = taid_target_logprobs(s, t, 0.3, anchor_logits=anchor, interpolation=interpolation)
     assert not got.requires_grad
     assert torch.allclose(got.exp(), ref.taid_target(s, t, 0.3, anchor, interpolation), atol=1e-12)
 
 
-def test_target_endpoints(gen, rand) -> None:  # type: ignore[no-untyped-def]
-    s, t, _ = _inputs(gen, rand)
+def test_target_endpoints(logit_batch) -> None:  # type: ignore[no-untyped-def]
+    s, t, _ = logit_batch(B, T, V)
     assert torch.allclose(taid_target_logprobs(s, t, 1.0), torch.log_softmax(t, -1))
     assert torch.allclose(taid_target_logprobs(s, t, 0.0), torch.log_softmax(s.detach(), -1))
     # logit-space interpolation is not the probability mixture
@@ -43,19 +35,16 @@ def test_target_endpoints(gen, rand) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("objective", ["cross_entropy", "kl"])
 @pytest.mark.parametrize("interpolation", ["logit", "probability"])
-def test_loss_values_and_grads(ref, gen, rand, objective, interpolation) -> None:  # type: ignore[no-untyped-def]
-    s, t, mask = _inputs(gen, rand)
+def test_loss_values_and_grads(check_against_ref, logit_batch, ref, gen, rand, objective, interpolation) -> None:  # type: ignore[no-untyped-def]
+    s, t, mask = logit_batch(B, T, V)
     anchor = rand(gen, B, T, V) if interpolation == "probability" else None
     got = taid_loss(s, t, mask, t=0.6, anchor_logits=anchor, interpolation=interpolation, objective=objective)
     want = ref.token_mean(ref.taid(s, t, 0.6, anchor, interpolation, objective), mask)
-    assert torch.allclose(got, want, atol=1e-10)
-    (g1,) = torch.autograd.grad(got, s)
-    (g2,) = torch.autograd.grad(want, s)
-    assert torch.allclose(g1, g2, atol=1e-10)
+    check_against_ref(got, want, [s])
 
 
-def test_kl_and_cross_entropy_share_gradient(gen, rand) -> None:  # type: ignore[no-untyped-def]
-    s, t, mask = _inputs(gen, rand)
+def test_kl_and_cross_entropy_share_gradient(logit_batch) -> None:  # type: ignore[no-untyped-def]
+    s, t, mask = logit_batch(B, T, V)
     (g_ce,) = torch.autograd.grad(taid_loss(s, t, mask, t=0.4), s)
     (g_kl,) = torch.autograd.grad(taid_loss(s, t, mask, t=0.4, objective="kl"), s)
     assert torch.allclose(g_ce, g_kl, atol=1e-12)
@@ -88,8 +77,8 @@ def test_schedule_linear_floor_cap_and_state() -> None:
     assert math.isinf(TAIDSchedule().prev_loss)
 
 
-def test_taid_errors(gen, rand) -> None:  # type: ignore[no-untyped-def]
-    s, t, mask = _inputs(gen, rand)
+def test_taid_errors(logit_batch) -> None:  # type: ignore[no-untyped-def]
+    s, t, mask = logit_batch(B, T, V)
     with pytest.raises(ValueError, match="`t`"):
         taid_loss(s, t, mask, t=1.2)
     with pytest.raises(ValueError, match="interpolation"):

@@ -90,6 +90,19 @@ def reference_loss(
     return loss, metrics
 
 
+def _reference_for(sample: dict[str, Tensor], **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """`reference_loss` on the fields of a ``make_sample`` sample (teacher and weights when it has them)."""
+    return reference_loss(
+        sample["trainer_logprobs"],
+        sample["inference_logprobs"],
+        sample["advantages"],
+        sample["loss_mask"],
+        sample.get("teacher_logprobs"),
+        sample.get("loss_weights"),
+        **kwargs,
+    )
+
+
 def _inputs(sample: dict[str, Tensor]) -> LossInputs:
     return LossInputs(**sample)
 
@@ -127,38 +140,38 @@ def test_returns_finite_scalar(make_sample: Any) -> None:
     assert torch.all(grad[~sample["loss_mask"]] == 0)  # prompt tokens get no gradient
 
 
-def test_dppo_mask_high_drops_positive_advantage_outliers() -> None:
+def _assert_dropped_outlier(p: float, p_old: float, adv: float, metrics: dict[str, float]) -> None:
+    """Dropped from the policy gradient, the token still pays the KL: loss kl_tau·log_r², gradient 2·kl_tau·log_r."""
     kl_tau = 1e-3
-    # p rose 0.30 → 0.60 (Δp = +0.3 > 0.2) with A > 0: dropped from the policy gradient, still pays the KL.
-    out_sample = _token(math.log(0.6), math.log(0.3), adv=1.5)
-    out = loss_fn(_inputs(out_sample), kl_tau=kl_tau)
-    log_r = math.log(0.6 / 0.3)
+    sample = _token(math.log(p), math.log(p_old), adv=adv)
+    out = loss_fn(_inputs(sample), kl_tau=kl_tau)
+    log_r = math.log(p / p_old)
     assert out.loss.item() == pytest.approx(kl_tau * log_r**2, rel=1e-12)
-    assert _grad(out.loss, out_sample["trainer_logprobs"])[1].item() == pytest.approx(2 * kl_tau * log_r, rel=1e-12)
-    assert out.metrics["is_masked_high"].item() == 1.0
-    assert out.metrics["is_masked_low"].item() == 0.0
-    # The same move inside the band (0.30 → 0.45, Δp = 0.15) keeps the policy-gradient term.
-    in_sample = _token(math.log(0.45), math.log(0.3), adv=1.5)
-    kept = loss_fn(_inputs(in_sample), kl_tau=kl_tau)
-    r = 0.45 / 0.3
-    assert kept.loss.item() == pytest.approx(-1.5 * r + kl_tau * math.log(r) ** 2, rel=1e-12)
+    assert _grad(out.loss, sample["trainer_logprobs"])[1].item() == pytest.approx(2 * kl_tau * log_r, rel=1e-12)
+    assert {name: out.metrics[name].item() for name in metrics} == metrics
+
+
+def _assert_kept_in_band(p: float, p_old: float, adv: float, kl_tau: float) -> None:
+    """Kept: loss −A·r + kl_tau·log_r², gradient w.r.t. lp −A·r + 2·kl_tau·log_r, nothing masked."""
+    sample = _token(math.log(p), math.log(p_old), adv=adv)
+    kept = loss_fn(_inputs(sample), kl_tau=kl_tau)
+    r = p / p_old
+    assert kept.loss.item() == pytest.approx(-adv * r + kl_tau * math.log(r) ** 2, rel=1e-12)
+    grad = _grad(kept.loss, sample["trainer_logprobs"])[1].item()
+    assert grad == pytest.approx(-adv * r + 2 * kl_tau * math.log(r), rel=1e-12)
     assert kept.metrics["is_masked"].item() == 0.0
 
 
+def test_dppo_mask_high_drops_positive_advantage_outliers() -> None:
+    # p rose 0.30 → 0.60 (Δp = +0.3 > 0.2) with A > 0: dropped; 0.30 → 0.45 (Δp = 0.15) stays.
+    _assert_dropped_outlier(0.6, 0.3, 1.5, {"is_masked_high": 1.0, "is_masked_low": 0.0})
+    _assert_kept_in_band(0.45, 0.3, 1.5, kl_tau=1e-3)
+
+
 def test_dppo_mask_low_drops_negative_advantage_outliers() -> None:
-    kl_tau = 1e-3
-    # p fell 0.70 → 0.40 (Δp = −0.3 < −0.2) with A < 0: dropped.
-    out_sample = _token(math.log(0.4), math.log(0.7), adv=-2.0)
-    out = loss_fn(_inputs(out_sample), kl_tau=kl_tau)
-    log_r = math.log(0.4 / 0.7)
-    assert out.loss.item() == pytest.approx(kl_tau * log_r**2, rel=1e-12)
-    assert _grad(out.loss, out_sample["trainer_logprobs"])[1].item() == pytest.approx(2 * kl_tau * log_r, rel=1e-12)
-    assert out.metrics["is_masked_low"].item() == 1.0
-    assert out.metrics["masked_advantage_negative"].item() == 1.0
-    # Inside the band (0.70 → 0.60) the token keeps its gradient −A·r·∇lp.
-    in_sample = _token(math.log(0.6), math.log(0.7), adv=-2.0)
-    kept = loss_fn(_inputs(in_sample), kl_tau=0.0)
-    assert _grad(kept.loss, in_sample["trainer_logprobs"])[1].item() == pytest.approx(2.0 * 0.6 / 0.7, rel=1e-12)
+    # p fell 0.70 → 0.40 (Δp = −0.3 < −0.2) with A < 0: dropped; 0.70 → 0.60 (Δp = −0.1) stays.
+    _assert_dropped_outlier(0.4, 0.7, -2.0, {"is_masked_low": 1.0, "masked_advantage_negative": 1.0})
+    _assert_kept_in_band(0.6, 0.7, -2.0, kl_tau=0.0)
 
 
 def test_dppo_mask_sign_conditioned_on_advantage() -> None:
@@ -273,15 +286,7 @@ def test_shadow_parity_with_formula_reference(config: dict[str, Any], seed: int,
     kwargs = {k: v for k, v in config.items() if k not in ("teacher", "weights")}
     sample = make_sample(seq=777, seed=seed, teacher=config.get("teacher", False), weights=config.get("weights", False))
     ours = loss_fn(_inputs(sample), **kwargs)
-    ref_loss, ref_metrics = reference_loss(
-        sample["trainer_logprobs"],
-        sample["inference_logprobs"],
-        sample["advantages"],
-        sample["loss_mask"],
-        sample.get("teacher_logprobs"),
-        sample.get("loss_weights"),
-        **kwargs,
-    )
+    ref_loss, ref_metrics = _reference_for(sample, **kwargs)
     assert ref_loss.abs() > 1e-3  # random inputs, never a trivial zero
     torch.testing.assert_close(ours.loss, ref_loss, rtol=1e-12, atol=1e-12)
     lp = sample["trainer_logprobs"]
@@ -298,14 +303,7 @@ def test_float32_matches_float64_reference(make_sample: Any) -> None:
     sample32 = make_sample(seq=2048, dtype=torch.float32, teacher=True, seed=5)
     sample64 = make_sample(seq=2048, dtype=torch.float64, teacher=True, seed=5)
     ours = loss_fn(_inputs(sample32), **kwargs)
-    ref, _ = reference_loss(
-        sample64["trainer_logprobs"],
-        sample64["inference_logprobs"],
-        sample64["advantages"],
-        sample64["loss_mask"],
-        sample64["teacher_logprobs"],
-        **kwargs,
-    )
+    ref, _ = _reference_for(sample64, **kwargs)
     torch.testing.assert_close(ours.loss.double(), ref, rtol=1e-4, atol=1e-3)
 
 

@@ -14,7 +14,14 @@ import torch
 from crf_distill._checks import check_float_tensor, check_same_leading
 from crf_distill.logprobs import compute_dtype
 
-__all__ = ["TAIL_CLAMP", "check_logit_pair", "check_top_k", "kl_per_token", "support_logprobs"]
+__all__ = [
+    "TAIL_CLAMP",
+    "check_logit_pair",
+    "check_top_k",
+    "cross_entropy_per_token",
+    "kl_per_token",
+    "support_logprobs",
+]
 
 TAIL_CLAMP = -1e-7
 
@@ -54,7 +61,7 @@ def support_logprobs(
     top_k: int | None = None,
     add_tail: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Student and (detached) teacher log-probs on a common support.
+    """Student and (detached) teacher log-probs on a common support (validates the logits and ``top_k``).
 
     Args:
         student_logits, teacher_logits: ``(..., V)``.
@@ -64,6 +71,8 @@ def support_logprobs(
     Returns:
         ``(s, t)`` each ``(..., V)`` or ``(..., k[+1])``, in float32 (float64 for float64 inputs).
     """
+    check_logit_pair(student_logits, teacher_logits)
+    check_top_k(top_k, student_logits.shape[-1])
     dtype = compute_dtype(student_logits)
     zs = student_logits.to(dtype)
     zt = teacher_logits.detach().to(dtype)
@@ -84,3 +93,13 @@ def kl_per_token(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Te
     if bool(dead.any()):
         diff = torch.where(dead, torch.zeros((), dtype=diff.dtype, device=diff.device), diff)
     return (torch.exp(p_logprobs) * diff).sum(-1)
+
+
+def cross_entropy_per_token(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Tensor:
+    """``H(p, q) = −Σ_v p_v log q_v`` over the last dim; entries with ``log p_v = −inf`` add exactly 0.
+
+    ``H(p, p)`` is the entropy of ``p``. Dead entries are zeroed before the product (no NaN value or gradient).
+    """
+    dead = torch.isneginf(p_logprobs)
+    zero = torch.zeros((), dtype=q_logprobs.dtype, device=q_logprobs.device)
+    return -(torch.exp(p_logprobs) * torch.where(dead, zero, q_logprobs)).sum(-1)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask
+from crf_distill.logprobs import compute_dtype
 
 __all__ = [
     "ChunkTerm",
@@ -42,9 +43,18 @@ PerTokenLoss = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
 
 
 def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(h)
     z = h.to(dtype) @ w.to(dtype).t()
     return z if b is None else z + b.to(dtype)
+
+
+def _head_grad_buffers(
+    weight: torch.Tensor, need_w: bool, need_b: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Zeroed accumulators in ``dtype`` for the lm_head weight ``(V, H)`` and bias ``(V,)`` grads, or ``None``."""
+    grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
+    return grad_w, grad_b
 
 
 def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefix: str = "") -> None:
@@ -77,7 +87,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         chunk_size: int,
     ) -> torch.Tensor:
         n = hidden.shape[0]
-        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        dtype = compute_dtype(hidden)
         out = torch.empty(n, dtype=dtype, device=hidden.device)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
         for start in range(0, n, chunk_size):
@@ -97,8 +107,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dtype = lse.dtype
         grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
+        grad_w, grad_b = _head_grad_buffers(weight, need_w, need_b, dtype)
         w32 = weight.to(dtype)
         n = hidden.shape[0]
         for start in range(0, n, ctx.chunk_size):
@@ -188,10 +197,9 @@ class _ChunkedFused(torch.autograd.Function):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        dtype = compute_dtype(hidden)
         grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
+        grad_w, grad_b = _head_grad_buffers(weight, need_w, need_b, dtype)
         w_leaf = weight.detach().requires_grad_(need_w)
         b_leaf = None if bias is None else bias.detach().requires_grad_(need_b)
         total = torch.zeros((), dtype=dtype, device=hidden.device)
@@ -376,7 +384,7 @@ def chunked_distillation_loss(
     check_mask("mask", mask, hidden.shape[:1])
     if (teacher_logits is None) == (teacher_hidden is None):
         raise ValueError("pass exactly one of `teacher_logits` (N, V) or `teacher_hidden` (N, H) + `teacher_weight`")
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(hidden)
     term = ChunkTerm(per_token_fn, _token_mean_weights(mask, dtype, num_items))
     total, _ = chunked_fused_loss(
         hidden,

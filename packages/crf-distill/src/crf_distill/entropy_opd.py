@@ -23,8 +23,8 @@ from typing import Literal
 
 import torch
 
-from crf_distill._checks import check_finite_float, check_mask
-from crf_distill._support import check_logit_pair, check_top_k, kl_per_token, support_logprobs
+from crf_distill._checks import check_finite_float
+from crf_distill._support import cross_entropy_per_token, kl_per_token, support_logprobs
 from crf_distill.aggregate import Aggregation, aggregate
 
 __all__ = ["EntropyGate", "entropy_opd_loss", "entropy_opd_per_token", "teacher_entropy_gate", "token_entropy"]
@@ -34,9 +34,7 @@ EntropyGate = Literal["hard", "sigmoid", "linear"]
 
 def token_entropy(logprobs: torch.Tensor) -> torch.Tensor:
     """``H = −Σ_v p_v log p_v`` over the last dim; ``−inf`` entries contribute 0. ``(..., V) -> (...)``."""
-    dead = torch.isneginf(logprobs)
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    return -(torch.exp(logprobs) * torch.where(dead, zero, logprobs)).sum(-1)
+    return cross_entropy_per_token(logprobs, logprobs)
 
 
 def teacher_entropy_gate(
@@ -71,8 +69,6 @@ def entropy_opd_per_token(
     add_tail: bool = True,
 ) -> torch.Tensor:
     """Per-token EOPD loss ``(...)`` (see the module docstring)."""
-    check_logit_pair(student_logits, teacher_logits)
-    check_top_k(top_k, student_logits.shape[-1])
     lam = check_finite_float("forward_weight", forward_weight)
     if lam < 0:
         raise ValueError(f"`forward_weight` must be >= 0, got {lam}")
@@ -120,5 +116,4 @@ def entropy_opd_loss(
         top_k=top_k,
         add_tail=add_tail,
     )
-    check_mask("mask", mask, per_token.shape)
     return aggregate(per_token, mask, aggregation, num_items=num_items)

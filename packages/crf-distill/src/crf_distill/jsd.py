@@ -29,7 +29,7 @@ import math
 import torch
 
 from crf_distill._checks import check_float_tensor, check_in_range, check_mask
-from crf_distill._support import check_logit_pair, check_top_k, kl_per_token, support_logprobs
+from crf_distill._support import kl_per_token, support_logprobs
 from crf_distill.aggregate import Aggregation, aggregate
 from crf_distill.logprobs import token_logprobs
 
@@ -64,9 +64,7 @@ def generalized_jsd_per_token(
     add_tail: bool = True,
 ) -> torch.Tensor:
     """Per-token generalised JSD: ``(..., V) × 2 -> (...)`` (see module docstring)."""
-    check_logit_pair(student_logits, teacher_logits)
     alpha = check_in_range("alpha", alpha, 0.0, 1.0)
-    check_top_k(top_k, student_logits.shape[-1])
     s, t = support_logprobs(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
     return generalized_jsd_from_logprobs(s, t, alpha)
 

@@ -17,31 +17,32 @@ from __future__ import annotations
 
 import torch
 
-from crf_distill._checks import check_mask
-from crf_distill._support import check_logit_pair, check_top_k, kl_per_token, support_logprobs
+from crf_distill._support import kl_per_token, support_logprobs
 from crf_distill.aggregate import Aggregation, aggregate
 
 __all__ = ["forward_kl", "forward_kl_per_token", "reverse_kl", "reverse_kl_per_token"]
+
+
+def _kl_per_token(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int | None, add_tail: bool, *, reverse: bool
+) -> torch.Tensor:
+    """``KL(S ‖ T)`` if ``reverse`` else ``KL(T ‖ S)``, per token, on the (optionally top-k) support."""
+    s, t = support_logprobs(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
+    return kl_per_token(s, t) if reverse else kl_per_token(t, s)
 
 
 def forward_kl_per_token(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, top_k: int | None = None, add_tail: bool = True
 ) -> torch.Tensor:
     """Per-token ``KL(T ‖ S)``: ``(..., V) × 2 -> (...)``."""
-    check_logit_pair(student_logits, teacher_logits)
-    check_top_k(top_k, student_logits.shape[-1])
-    s, t = support_logprobs(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
-    return kl_per_token(t, s)
+    return _kl_per_token(student_logits, teacher_logits, top_k, add_tail, reverse=False)
 
 
 def reverse_kl_per_token(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, top_k: int | None = None, add_tail: bool = True
 ) -> torch.Tensor:
     """Per-token ``KL(S ‖ T)``: ``(..., V) × 2 -> (...)``."""
-    check_logit_pair(student_logits, teacher_logits)
-    check_top_k(top_k, student_logits.shape[-1])
-    s, t = support_logprobs(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
-    return kl_per_token(s, t)
+    return _kl_per_token(student_logits, teacher_logits, top_k, add_tail, reverse=True)
 
 
 def forward_kl(
@@ -55,8 +56,7 @@ def forward_kl(
     num_items: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Aggregated forward KL ``KL(T ‖ S)`` over the tokens selected by ``mask``; returns a 0-d tensor."""
-    per_token = forward_kl_per_token(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
-    check_mask("mask", mask, per_token.shape)
+    per_token = _kl_per_token(student_logits, teacher_logits, top_k, add_tail, reverse=False)
     return aggregate(per_token, mask, aggregation, num_items=num_items)
 
 
@@ -71,6 +71,5 @@ def reverse_kl(
     num_items: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Aggregated reverse KL ``KL(S ‖ T)`` over the tokens selected by ``mask``; returns a 0-d tensor."""
-    per_token = reverse_kl_per_token(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
-    check_mask("mask", mask, per_token.shape)
+    per_token = _kl_per_token(student_logits, teacher_logits, top_k, add_tail, reverse=True)
     return aggregate(per_token, mask, aggregation, num_items=num_items)

@@ -24,8 +24,8 @@ from typing import Literal
 
 import torch
 
-from crf_distill._checks import check_finite_float, check_float_tensor, check_in_range, check_mask, check_same_leading
-from crf_distill._support import check_logit_pair, kl_per_token
+from crf_distill._checks import check_finite_float, check_float_tensor, check_in_range, check_same_leading
+from crf_distill._support import check_logit_pair, cross_entropy_per_token, kl_per_token
 from crf_distill.aggregate import Aggregation, aggregate
 from crf_distill.logprobs import compute_dtype
 
@@ -94,9 +94,7 @@ def taid_per_token(
     if objective == "kl":
         return kl_per_token(target, student)
     if objective == "cross_entropy":
-        dead = torch.isneginf(target)
-        zero = torch.zeros((), dtype=student.dtype, device=student.device)
-        return -(torch.exp(target) * torch.where(dead, zero, student)).sum(-1)
+        return cross_entropy_per_token(target, student)
     raise ValueError(f"`objective` must be 'cross_entropy' (official code) or 'kl', got {objective!r}")
 
 
@@ -121,7 +119,6 @@ def taid_loss(
         interpolation=interpolation,
         objective=objective,
     )
-    check_mask("mask", mask, per_token.shape)
     return aggregate(per_token, mask, aggregation, num_items=num_items)
 
 

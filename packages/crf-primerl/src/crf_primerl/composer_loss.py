@@ -137,7 +137,7 @@ def loss_fn(
     """
     if unknown:
         _raise_unknown(unknown)
-    check_bounds(
+    knobs = _LossKnobs(
         dppo_mask_low=dppo_mask_low,
         dppo_mask_high=dppo_mask_high,
         adv_tau=adv_tau,
@@ -154,51 +154,49 @@ def loss_fn(
             "teacher_tau/teacher_weight > 0 need teacher log-probs, but inputs.teacher_logprobs/ref_logprobs is None: "
             "configure a teacher (reference) model in PRIME-RL so it fills them, or set both to 0"
         )
-    return _composed_loss(
-        sample,
-        dppo_mask_low=dppo_mask_low,
-        dppo_mask_high=dppo_mask_high,
-        adv_tau=adv_tau,
-        kl_tau=kl_tau,
-        teacher_tau=teacher_tau,
-        teacher_weight=teacher_weight,
-        teacher_mask_low=teacher_mask_low,
-        ce_weight=ce_weight,
-    )
+    return _composed_loss(sample, knobs)
 
 
-def _composed_loss(
-    sample: Sample,
-    *,
-    dppo_mask_low: float,
-    dppo_mask_high: float,
-    adv_tau: float,
-    kl_tau: float,
-    teacher_tau: float,
-    teacher_weight: float,
-    teacher_mask_low: float,
-    ce_weight: float,
-) -> LossOutputs:
+@dataclass(frozen=True)
+class _LossKnobs:
+    """``loss_fn``'s keywords, checked ``>= 0`` on construction (the defaults live in ``loss_fn``/`LOSS_KWARGS`)."""
+
+    dppo_mask_low: float
+    dppo_mask_high: float
+    adv_tau: float
+    kl_tau: float
+    teacher_tau: float
+    teacher_weight: float
+    teacher_mask_low: float
+    ce_weight: float
+
+    def __post_init__(self) -> None:
+        check_bounds(**{name: getattr(self, name) for name in LOSS_KWARGS})
+
+
+def _composed_loss(sample: Sample, knobs: _LossKnobs) -> LossOutputs:
     trainer, mask, teacher = sample.trainer_logprobs, sample.loss_mask, sample.teacher_logprobs
-    terms = dppo_terms(trainer, sample.inference_logprobs, sample.advantages, mask, dppo_mask_low, dppo_mask_high)
+    terms = dppo_terms(
+        trainer, sample.inference_logprobs, sample.advantages, mask, knobs.dppo_mask_low, knobs.dppo_mask_high
+    )
     metrics = dppo_metrics(terms, sample.advantages, mask)
 
-    scaled_advantages = adv_tau * sample.advantages
+    scaled_advantages = knobs.adv_tau * sample.advantages
     signal = None
     if teacher is not None:
         metrics["teacher_kl"] = masked_mean(teacher_log_gap(teacher, trainer.detach()), mask)
-        if teacher_tau > 0 or teacher_weight > 0:
+        if knobs.teacher_tau > 0 or knobs.teacher_weight > 0:
             signal = teacher_signal(teacher, trainer, mask)
-    if signal is not None and teacher_tau > 0:
-        scaled_advantages = scaled_advantages + teacher_tau * signal
-    per_token = dppo_kl_token_loss(terms, scaled_advantages, mask, kl_tau)
+    if signal is not None and knobs.teacher_tau > 0:
+        scaled_advantages = scaled_advantages + knobs.teacher_tau * signal
+    per_token = dppo_kl_token_loss(terms, scaled_advantages, mask, knobs.kl_tau)
 
-    if signal is not None and teacher_weight > 0:
-        teacher_keep = teacher_keep_mask(terms.probs_diff, mask, teacher_mask_low)
-        per_token = per_token + teacher_weight * teacher_distill_token_loss(signal, terms.ratio, teacher_keep)
+    if signal is not None and knobs.teacher_weight > 0:
+        teacher_keep = teacher_keep_mask(terms.probs_diff, mask, knobs.teacher_mask_low)
+        per_token = per_token + knobs.teacher_weight * teacher_distill_token_loss(signal, terms.ratio, teacher_keep)
         metrics["composer/teacher_is_masked"] = masked_mean(mask & ~teacher_keep, mask)
-    if ce_weight > 0:
-        per_token = per_token + ce_weight * cross_entropy_token_loss(trainer, mask)
+    if knobs.ce_weight > 0:
+        per_token = per_token + knobs.ce_weight * cross_entropy_token_loss(trainer, mask)
         metrics["composer/nll"] = masked_mean(-trainer.detach(), mask)
 
     if sample.loss_weights is not None:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -93,25 +95,27 @@ def _check_json(value: Any, where: str) -> None:
         )
 
 
-def _check_common(
-    prompt_messages: Any,
-    chosen_messages: Any,
-    rejected_messages: Any,
-    trace_id: Any,
-    turn: Any,
-    meta: Any,
-    schema_version: Any,
-) -> None:
+def _check_fields(field_of: Callable[[str], Any], *, flat: bool) -> None:
+    """Check a pair's fields, read through ``field_of(name)`` (``getattr`` on a pair, ``[]`` on a dj record).
+
+    ``flat``: also require the flat strings ``prompt``/``chosen``/``rejected`` (normalised pairs, dj records).
+    """
+    if flat:
+        for key in _FLAT_KEYS:
+            value = field_of(key)
+            if not isinstance(value, str):
+                raise RecordError(
+                    f"{key} is {type(value).__name__}, text ops need a flat string. "
+                    f"Fix: keep chat lists in {key}_messages and the flattened text in {key}"
+                )
+    schema_version, trace_id, turn, meta = (field_of(k) for k in ("schema_version", "trace_id", "turn", "meta"))
     if schema_version != SCHEMA_VERSION:
         raise RecordError(
             f"schema_version is {schema_version!r}, this crf-replaysim reads {SCHEMA_VERSION!r}. "
             "Fix: regenerate the pairs with this version (crf-replaysim replay) or install the matching crf-replaysim"
         )
-    for name, messages in (
-        ("prompt_messages", prompt_messages),
-        ("chosen_messages", chosen_messages),
-        ("rejected_messages", rejected_messages),
-    ):
+    for name in ("prompt_messages", "chosen_messages", "rejected_messages"):
+        messages = field_of(name)
         try:
             validate_messages(messages, name, min_items=1)
         except MessageError as err:
@@ -139,15 +143,7 @@ class DPOPair:
     schema_version: str = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        _check_common(
-            self.prompt_messages,
-            self.chosen_messages,
-            self.rejected_messages,
-            self.trace_id,
-            self.turn,
-            self.meta,
-            self.schema_version,
-        )
+        _check_fields(partial(getattr, self), flat=False)
 
     def swapped(self) -> DPOPair:
         """The same pair with chosen and rejected exchanged."""
@@ -178,22 +174,7 @@ class NormalizedDPOPair:
     schema_version: str = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        for key in _FLAT_KEYS:
-            value = getattr(self, key)
-            if not isinstance(value, str):
-                raise RecordError(
-                    f"{key} is {type(value).__name__}, text ops need a flat string. "
-                    f"Fix: keep chat lists in {key}_messages and the flattened text in {key}"
-                )
-        _check_common(
-            self.prompt_messages,
-            self.chosen_messages,
-            self.rejected_messages,
-            self.trace_id,
-            self.turn,
-            self.meta,
-            self.schema_version,
-        )
+        _check_fields(partial(getattr, self), flat=True)
 
     def to_dj_record(self) -> dict[str, Any]:
         """The dj record of this pair (deep copies; keys in ``DJ_RECORD_KEYS`` order)."""
@@ -238,21 +219,7 @@ def validate_dj_record(record: Any) -> None:
     unknown = sorted(k for k in record if k not in DJ_RECORD_KEYS and not str(k).startswith(_INTERNAL_PREFIX))
     if unknown:
         raise RecordError(f"record has unknown keys {unknown}. Fix: move extra information into 'meta'")
-    for key in _FLAT_KEYS:
-        if not isinstance(record[key], str):
-            raise RecordError(
-                f"{key} is {type(record[key]).__name__}, text ops need a flat string. "
-                f"Fix: keep chat lists in {key}_messages and the flattened text in {key}"
-            )
-    _check_common(
-        record["prompt_messages"],
-        record["chosen_messages"],
-        record["rejected_messages"],
-        record["trace_id"],
-        record["turn"],
-        record["meta"],
-        record["schema_version"],
-    )
+    _check_fields(record.__getitem__, flat=True)
 
 
 def _dj_record_to_normalized_pair(record: dict[str, Any]) -> NormalizedDPOPair:

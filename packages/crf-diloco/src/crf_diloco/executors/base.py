@@ -20,7 +20,9 @@ import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
+
+from crf_diloco.layout import validate_name
 
 ENV_RANK = "CRF_DILOCO_RANK"
 ENV_WORLD_SIZE = "CRF_DILOCO_WORLD_SIZE"
@@ -187,6 +189,29 @@ def normalize_uri(uri: str) -> str:
     if _URI_SCHEME.match(uri):
         return uri
     return os.path.abspath(os.path.expanduser(uri))
+
+
+def validate_tail_lines(tail_lines: int) -> int:
+    """Return ``tail_lines`` (how many trailing output lines a `ReplicaResult` keeps) if it is an int >= 1."""
+    if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 1:
+        raise ValueError(f"tail_lines must be an int >= 1, got {tail_lines!r}")
+    return tail_lines
+
+
+class LaunchSpec(NamedTuple):
+    """The validated arguments of ``launch_replicas``: argv list, store URI (absolute if a path) and run id."""
+
+    argv: list[str]
+    uri: str
+    run_id: str
+
+
+def validate_launch(command: Sequence[str], world_size: int, uri: str, run_id: str | None) -> LaunchSpec:
+    """Check what every ``launch_replicas`` receives; a ``None`` run id becomes a fresh `new_run_id`."""
+    argv = validate_command(command)
+    validate_world_size(world_size)
+    run_id = validate_name(run_id, "run_id") if run_id is not None else new_run_id()
+    return LaunchSpec(argv, normalize_uri(uri), run_id)
 
 
 def replica_environment(

@@ -25,14 +25,12 @@ Store credentials go in the job's ``secrets``, not in the local shell.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-from crf_diloco.executors._skeleton import skeleton_error
-from crf_diloco.executors.base import OutputCallback, ReplicaResult
+from crf_diloco.executors._skeleton import SkeletonExecutor, skeleton_error
 
 
-class HFJobsExecutor:
+class HFJobsExecutor(SkeletonExecutor):
     """Replicas as Hugging Face Jobs — not implemented in v0; ``__init__`` raises `NotImplementedError`.
 
     Use `LocalProcessExecutor` (one host) or `RayExecutor` (a Ray cluster), or the by-hand pattern in this
@@ -40,25 +38,4 @@ class HFJobsExecutor:
     """
 
     def __init__(self, flavor: str = "cpu-basic", **options: Any) -> None:
-        raise skeleton_error(type(self).__name__)
-
-    def launch_replicas(
-        self,
-        command: Sequence[str],
-        *,
-        world_size: int,
-        uri: str,
-        run_id: str | None = None,
-        env: Mapping[str, str] | None = None,
-        on_output: OutputCallback | None = None,
-    ) -> NoReturn:
-        """Not implemented in v0."""
-        raise skeleton_error(type(self).__name__)
-
-    def collect(self, handles: Sequence[Any], *, timeout: float | None = None) -> list[ReplicaResult]:
-        """Not implemented in v0."""
-        raise skeleton_error(type(self).__name__)
-
-    def terminate(self, handles: Sequence[Any]) -> None:
-        """Not implemented in v0."""
         raise skeleton_error(type(self).__name__)

@@ -11,14 +11,11 @@ from crf_diloco.executors._process import ReplicaProcess, terminate_all
 from crf_diloco.executors.base import (
     OutputCallback,
     ReplicaResult,
-    new_run_id,
-    normalize_uri,
     replica_environment,
-    validate_command,
+    validate_launch,
+    validate_tail_lines,
     validate_timeout,
-    validate_world_size,
 )
-from crf_diloco.layout import validate_name
 
 
 @dataclass(frozen=True)
@@ -52,8 +49,7 @@ class LocalProcessExecutor:
         if cwd is not None and not os.path.isdir(cwd):
             raise ValueError(f"cwd must be an existing directory, got {cwd!r}")
         validate_timeout(terminate_grace_s, "terminate_grace_s")
-        if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 1:
-            raise ValueError(f"tail_lines must be an int >= 1, got {tail_lines!r}")
+        validate_tail_lines(tail_lines)
         self.cwd = cwd
         self.terminate_grace_s = float(terminate_grace_s)
         self.tail_lines = tail_lines
@@ -69,10 +65,7 @@ class LocalProcessExecutor:
         on_output: OutputCallback | None = None,
     ) -> list[LocalReplicaHandle]:
         """Start ``world_size`` processes running ``command``; if one cannot start, stop the others and raise."""
-        argv = validate_command(command)
-        validate_world_size(world_size)
-        uri = normalize_uri(uri)
-        run_id = validate_name(run_id, "run_id") if run_id is not None else new_run_id()
+        argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
         base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         handles: list[LocalReplicaHandle] = []
         try:

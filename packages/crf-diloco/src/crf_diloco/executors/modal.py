@@ -25,14 +25,12 @@ Credentials for the store go in Modal secrets (``secrets=[...]``), not in the lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-from crf_diloco.executors._skeleton import skeleton_error
-from crf_diloco.executors.base import OutputCallback, ReplicaResult
+from crf_diloco.executors._skeleton import SkeletonExecutor, skeleton_error
 
 
-class ModalExecutor:
+class ModalExecutor(SkeletonExecutor):
     """Replicas as Modal function calls — not implemented in v0; ``__init__`` raises `NotImplementedError`.
 
     Use `LocalProcessExecutor` (one host) or `RayExecutor` (a Ray cluster), or the by-hand pattern in this
@@ -40,25 +38,4 @@ class ModalExecutor:
     """
 
     def __init__(self, app_name: str = "crf-diloco", **options: Any) -> None:
-        raise skeleton_error(type(self).__name__)
-
-    def launch_replicas(
-        self,
-        command: Sequence[str],
-        *,
-        world_size: int,
-        uri: str,
-        run_id: str | None = None,
-        env: Mapping[str, str] | None = None,
-        on_output: OutputCallback | None = None,
-    ) -> NoReturn:
-        """Not implemented in v0."""
-        raise skeleton_error(type(self).__name__)
-
-    def collect(self, handles: Sequence[Any], *, timeout: float | None = None) -> list[ReplicaResult]:
-        """Not implemented in v0."""
-        raise skeleton_error(type(self).__name__)
-
-    def terminate(self, handles: Sequence[Any]) -> None:
-        """Not implemented in v0."""
         raise skeleton_error(type(self).__name__)

@@ -20,14 +20,11 @@ from crf_diloco.executors.base import (
     OutputCallback,
     ReplicaResult,
     describe_returncode,
-    new_run_id,
-    normalize_uri,
     replica_environment,
-    validate_command,
+    validate_launch,
+    validate_tail_lines,
     validate_timeout,
-    validate_world_size,
 )
-from crf_diloco.layout import validate_name
 
 _RAY_INSTALL_HINT = "RayExecutor needs Ray, which is not installed: pip install 'crf-diloco[ray]'"
 _CANCEL_POLL_S = 0.2
@@ -189,8 +186,7 @@ class RayExecutor:
             raise ValueError(f"placement_strategy must be one of {_PLACEMENT_STRATEGIES}, got {placement_strategy!r}")
         validate_timeout(placement_timeout_s, "placement_timeout_s")
         validate_timeout(terminate_grace_s, "terminate_grace_s")
-        if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 1:
-            raise ValueError(f"tail_lines must be an int >= 1, got {tail_lines!r}")
+        validate_tail_lines(tail_lines)
         self.address = address
         self.num_cpus = float(num_cpus)
         self.num_gpus = float(num_gpus)
@@ -235,10 +231,7 @@ class RayExecutor:
         on_output: OutputCallback | None = None,
     ) -> list[RayReplicaHandle]:
         """Submit ``world_size`` replica tasks running ``command``; return their handles, ordered by rank."""
-        argv = validate_command(command)
-        validate_world_size(world_size)
-        uri = normalize_uri(uri)
-        run_id = validate_name(run_id, "run_id") if run_id is not None else new_run_id()
+        argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
         envs = [
             {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, env)} for r in range(world_size)
         ]

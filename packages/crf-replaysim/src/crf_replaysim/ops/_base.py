@@ -7,8 +7,11 @@ the set of digests already seen.
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 OpKind = Literal["filter", "mapper", "deduplicator"]
@@ -56,6 +59,13 @@ def check_no_tokenization(op: str, tokenization: object) -> None:
         )
 
 
+def check_word_options(op: str, lang: object, tokenization: object) -> None:
+    """Check the word ops' ``lang`` (a language code; only data-juicer's tokeniser uses it) and ``tokenization``."""
+    if not isinstance(lang, str):
+        raise RecipeError(f"{op}: lang must be a language code string such as 'en', got {lang!r}.")
+    check_no_tokenization(op, tokenization)
+
+
 class NativeOp(ABC):
     """One recipe step applied to the flat string in ``text_key``."""
 
@@ -65,12 +75,36 @@ class NativeOp(ABC):
     def __init__(self, *, text_key: str) -> None:
         self.text_key = text_key
 
+    @classmethod
+    def accepted_args(cls) -> list[str]:
+        """The keyword arguments a recipe step of this op may set (``text_key`` included)."""
+        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(text_key={self.text_key!r})"
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """A filter's range arguments: data-juicer's names and defaults, and whether they are counts (ints >= 0)."""
+
+    low: str
+    low_default: float
+    high: str
+    high_default: float
+    integer: bool = False
+
+
+#: The closure arguments every data-juicer filter takes, with their defaults.
+INTERVAL_ARGS: Mapping[str, bool] = {"min_closed_interval": True, "max_closed_interval": True, "reversed_range": False}
+
+
 class NativeFilter(NativeOp):
     """Keep a record when ``stat(text)`` lies in ``[min, max]`` (data-juicer's ``Filter.get_keep_boolean``).
+
+    Table-driven: a subclass declares its range arguments (:attr:`bounds`), its own arguments with their
+    defaults (:attr:`options`, checked by :meth:`check_options`) and :meth:`stat`; the constructor takes
+    ``text_key`` plus any of :meth:`arguments` as keywords, as data-juicer's op of the same name does.
 
     ``min_closed_interval`` / ``max_closed_interval`` switch each bound between ``>=``/``<=`` and ``>``/``<``;
     ``reversed_range`` keeps the complement instead. As in data-juicer's code, both closures are flipped first,
@@ -81,22 +115,30 @@ class NativeFilter(NativeOp):
     kind: ClassVar[OpKind] = "filter"
     #: data-juicer's ``StatsKeys`` name of the statistic (stats are cached under it per record).
     stat_name: ClassVar[str]
+    #: The range arguments (``min_ratio``/``max_ratio``, ``min_len``/``max_len``, ...).
+    bounds: ClassVar[Bounds]
+    #: The op's own arguments besides the range and closures, with data-juicer's defaults.
+    options: ClassVar[Mapping[str, object]] = {}
 
-    def __init__(
-        self,
-        *,
-        text_key: str,
-        low: float | None,
-        high: float | None,
-        min_closed_interval: bool = True,
-        max_closed_interval: bool = True,
-        reversed_range: bool = False,
-    ) -> None:
+    def __init__(self, *, text_key: str, **args: object) -> None:
         super().__init__(text_key=text_key)
-        check_bool(self.name, "min_closed_interval", min_closed_interval)
-        check_bool(self.name, "max_closed_interval", max_closed_interval)
-        check_bool(self.name, "reversed_range", reversed_range)
-        if low is not None and high is not None and low > high and not reversed_range:
+        defaults = self.arguments()
+        unknown = sorted(set(args) - set(defaults))
+        if unknown:
+            raise RecipeError(
+                f"{self.name}: unknown argument(s) {', '.join(unknown)}; it accepts {', '.join(self.accepted_args())}."
+            )
+        values = {**defaults, **args}
+        self.check_options(values)
+        b = self.bounds
+        if b.integer:
+            low: float = check_int(self.name, b.low, values[b.low], minimum=0)
+            high: float = check_int(self.name, b.high, values[b.high], minimum=0)
+        else:
+            low = check_number(self.name, b.low, values[b.low])
+            high = check_number(self.name, b.high, values[b.high])
+        min_closed, max_closed, reversed_range = (check_bool(self.name, k, values[k]) for k in INTERVAL_ARGS)
+        if low > high and not reversed_range:
             raise RecipeError(
                 f"{self.name}: the lower bound {low!r} is above the upper bound {high!r}, so every record would be "
                 "dropped; swap them (or set reversed_range: true to keep values outside the range)."
@@ -104,8 +146,21 @@ class NativeFilter(NativeOp):
         self.low = low
         self.high = high
         self.reversed_range = reversed_range
-        self.min_closed = min_closed_interval != reversed_range
-        self.max_closed = max_closed_interval != reversed_range
+        self.min_closed = min_closed != reversed_range
+        self.max_closed = max_closed != reversed_range
+
+    @classmethod
+    def arguments(cls) -> dict[str, object]:
+        """Every argument besides ``text_key``, with its default, in data-juicer's order."""
+        b = cls.bounds
+        return {**cls.options, b.low: b.low_default, b.high: b.high_default, **INTERVAL_ARGS}
+
+    @classmethod
+    def accepted_args(cls) -> list[str]:
+        return ["text_key", *cls.arguments()]
+
+    def check_options(self, values: Mapping[str, object]) -> None:
+        """Check (and keep) the values of :attr:`options`; the default has none to check."""
 
     @abstractmethod
     def stat(self, text: str) -> float:
@@ -113,10 +168,8 @@ class NativeFilter(NativeOp):
 
     def keep_value(self, value: float) -> bool:
         """Whether a record with statistic ``value`` is kept."""
-        keep = True
-        if self.low is not None:
-            keep = value >= self.low if self.min_closed else value > self.low
-        if keep and self.high is not None:
+        keep = value >= self.low if self.min_closed else value > self.low
+        if keep:
             keep = value <= self.high if self.max_closed else value < self.high
         return keep != self.reversed_range
 

@@ -8,7 +8,6 @@ that make a recipe drop everything or crash data-juicer (the seed's failure mode
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -173,7 +172,7 @@ def build_native_op(step: RecipeStep, ops: Mapping[str, type[NativeOp]], source:
             f"{source}: unknown op {step.name!r}. The native backend implements {', '.join(sorted(ops))}. "
             "Fix the spelling, or run other data-juicer ops with backend='data-juicer'."
         )
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    accepted = cls.accepted_args()
     kwargs = {k: v for k, v in step.args.items() if k not in EXECUTOR_ONLY_ARGS and k != "skip_op_error"}
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:

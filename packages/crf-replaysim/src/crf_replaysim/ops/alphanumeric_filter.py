@@ -7,9 +7,10 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import ClassVar
 
-from crf_replaysim.ops._base import NativeFilter, check_no_tokenization, check_number
+from crf_replaysim.ops._base import Bounds, NativeFilter, check_no_tokenization
 from crf_replaysim.ops._text import count_alnum
 
 
@@ -18,27 +19,11 @@ class AlphanumericFilter(NativeFilter):
 
     name: ClassVar[str] = "alphanumeric_filter"
     stat_name: ClassVar[str] = "alnum_ratio"
+    bounds: ClassVar[Bounds] = Bounds("min_ratio", 0.25, "max_ratio", sys.maxsize)
+    options: ClassVar[Mapping[str, object]] = {"tokenization": False}
 
-    def __init__(
-        self,
-        *,
-        text_key: str,
-        tokenization: bool = False,
-        min_ratio: float = 0.25,
-        max_ratio: float = sys.maxsize,
-        min_closed_interval: bool = True,
-        max_closed_interval: bool = True,
-        reversed_range: bool = False,
-    ) -> None:
-        check_no_tokenization(self.name, tokenization)
-        super().__init__(
-            text_key=text_key,
-            low=check_number(self.name, "min_ratio", min_ratio),
-            high=check_number(self.name, "max_ratio", max_ratio),
-            min_closed_interval=min_closed_interval,
-            max_closed_interval=max_closed_interval,
-            reversed_range=reversed_range,
-        )
+    def check_options(self, values: Mapping[str, object]) -> None:
+        check_no_tokenization(self.name, values["tokenization"])
 
     def stat(self, text: str) -> float:
         return count_alnum(text) / len(text) if text else 0.0

@@ -14,9 +14,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
+from collections.abc import Mapping
 from typing import ClassVar
 
-from crf_replaysim.ops._base import NativeFilter, check_int, check_number
+from crf_replaysim.ops._base import Bounds, NativeFilter, check_int
 
 
 class CharacterRepetitionFilter(NativeFilter):
@@ -24,27 +25,13 @@ class CharacterRepetitionFilter(NativeFilter):
 
     name: ClassVar[str] = "character_repetition_filter"
     stat_name: ClassVar[str] = "char_rep_ratio"
+    bounds: ClassVar[Bounds] = Bounds("min_ratio", 0.0, "max_ratio", 0.5)
+    options: ClassVar[Mapping[str, object]] = {"rep_len": 10}
 
-    def __init__(
-        self,
-        *,
-        text_key: str,
-        rep_len: int = 10,
-        min_ratio: float = 0.0,
-        max_ratio: float = 0.5,
-        min_closed_interval: bool = True,
-        max_closed_interval: bool = True,
-        reversed_range: bool = False,
-    ) -> None:
-        self.rep_len = check_int(self.name, "rep_len", rep_len, minimum=1)
-        super().__init__(
-            text_key=text_key,
-            low=check_number(self.name, "min_ratio", min_ratio),
-            high=check_number(self.name, "max_ratio", max_ratio),
-            min_closed_interval=min_closed_interval,
-            max_closed_interval=max_closed_interval,
-            reversed_range=reversed_range,
-        )
+    rep_len: int
+
+    def check_options(self, values: Mapping[str, object]) -> None:
+        self.rep_len = check_int(self.name, "rep_len", values["rep_len"], minimum=1)
 
     def stat(self, text: str) -> float:
         n = self.rep_len

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from crf_replaysim.ops._base import NativeFilter, check_number
+from crf_replaysim.ops._base import Bounds, NativeFilter
 from crf_replaysim.ops._text import count_special
 
 
@@ -18,25 +18,7 @@ class SpecialCharactersFilter(NativeFilter):
 
     name: ClassVar[str] = "special_characters_filter"
     stat_name: ClassVar[str] = "special_char_ratio"
-
-    def __init__(
-        self,
-        *,
-        text_key: str,
-        min_ratio: float = 0.0,
-        max_ratio: float = 0.25,
-        min_closed_interval: bool = True,
-        max_closed_interval: bool = True,
-        reversed_range: bool = False,
-    ) -> None:
-        super().__init__(
-            text_key=text_key,
-            low=check_number(self.name, "min_ratio", min_ratio),
-            high=check_number(self.name, "max_ratio", max_ratio),
-            min_closed_interval=min_closed_interval,
-            max_closed_interval=max_closed_interval,
-            reversed_range=reversed_range,
-        )
+    bounds: ClassVar[Bounds] = Bounds("min_ratio", 0.0, "max_ratio", 0.25)
 
     def stat(self, text: str) -> float:
         return count_special(text) / len(text) if text else 0.0

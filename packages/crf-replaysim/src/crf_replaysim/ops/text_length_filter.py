@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import ClassVar
 
-from crf_replaysim.ops._base import NativeFilter, check_int
+from crf_replaysim.ops._base import Bounds, NativeFilter
 
 
 class TextLengthFilter(NativeFilter):
@@ -16,25 +16,7 @@ class TextLengthFilter(NativeFilter):
 
     name: ClassVar[str] = "text_length_filter"
     stat_name: ClassVar[str] = "text_len"
-
-    def __init__(
-        self,
-        *,
-        text_key: str,
-        min_len: int = 10,
-        max_len: int = sys.maxsize,
-        min_closed_interval: bool = True,
-        max_closed_interval: bool = True,
-        reversed_range: bool = False,
-    ) -> None:
-        super().__init__(
-            text_key=text_key,
-            low=check_int(self.name, "min_len", min_len, minimum=0),
-            high=check_int(self.name, "max_len", max_len, minimum=0),
-            min_closed_interval=min_closed_interval,
-            max_closed_interval=max_closed_interval,
-            reversed_range=reversed_range,
-        )
+    bounds: ClassVar[Bounds] = Bounds("min_len", 10, "max_len", sys.maxsize, integer=True)
 
     def stat(self, text: str) -> float:
         return len(text)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Mapping
 from typing import ClassVar
 
-from crf_replaysim.ops._base import NativeFilter, RecipeError, check_int, check_no_tokenization, check_number
+from crf_replaysim.ops._base import Bounds, NativeFilter, check_int, check_word_options
 from crf_replaysim.ops._text import refined_words
 
 
@@ -23,32 +24,14 @@ class WordRepetitionFilter(NativeFilter):
 
     name: ClassVar[str] = "word_repetition_filter"
     stat_name: ClassVar[str] = "word_rep_ratio"
+    bounds: ClassVar[Bounds] = Bounds("min_ratio", 0.0, "max_ratio", 0.5)
+    options: ClassVar[Mapping[str, object]] = {"lang": "en", "tokenization": False, "rep_len": 10}
 
-    def __init__(
-        self,
-        *,
-        text_key: str,
-        lang: str = "en",
-        tokenization: bool = False,
-        rep_len: int = 10,
-        min_ratio: float = 0.0,
-        max_ratio: float = 0.5,
-        min_closed_interval: bool = True,
-        max_closed_interval: bool = True,
-        reversed_range: bool = False,
-    ) -> None:
-        if not isinstance(lang, str):
-            raise RecipeError(f"{self.name}: lang must be a language code string such as 'en', got {lang!r}.")
-        check_no_tokenization(self.name, tokenization)
-        self.rep_len = check_int(self.name, "rep_len", rep_len, minimum=1)
-        super().__init__(
-            text_key=text_key,
-            low=check_number(self.name, "min_ratio", min_ratio),
-            high=check_number(self.name, "max_ratio", max_ratio),
-            min_closed_interval=min_closed_interval,
-            max_closed_interval=max_closed_interval,
-            reversed_range=reversed_range,
-        )
+    rep_len: int
+
+    def check_options(self, values: Mapping[str, object]) -> None:
+        check_word_options(self.name, values["lang"], values["tokenization"])
+        self.rep_len = check_int(self.name, "rep_len", values["rep_len"], minimum=1)
 
     def stat(self, text: str) -> float:
         words = refined_words(text, lower_case=True)

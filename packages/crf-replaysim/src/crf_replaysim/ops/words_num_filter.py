@@ -8,9 +8,10 @@ least one character once special characters are stripped from their ends, as dat
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import ClassVar
 
-from crf_replaysim.ops._base import NativeFilter, RecipeError, check_int, check_no_tokenization
+from crf_replaysim.ops._base import Bounds, NativeFilter, check_word_options
 from crf_replaysim.ops._text import count_words
 
 
@@ -19,30 +20,11 @@ class WordsNumFilter(NativeFilter):
 
     name: ClassVar[str] = "words_num_filter"
     stat_name: ClassVar[str] = "num_words"
+    bounds: ClassVar[Bounds] = Bounds("min_num", 10, "max_num", sys.maxsize, integer=True)
+    options: ClassVar[Mapping[str, object]] = {"lang": "en", "tokenization": False}
 
-    def __init__(
-        self,
-        *,
-        text_key: str,
-        lang: str = "en",
-        tokenization: bool = False,
-        min_num: int = 10,
-        max_num: int = sys.maxsize,
-        min_closed_interval: bool = True,
-        max_closed_interval: bool = True,
-        reversed_range: bool = False,
-    ) -> None:
-        if not isinstance(lang, str):
-            raise RecipeError(f"{self.name}: lang must be a language code string such as 'en', got {lang!r}.")
-        check_no_tokenization(self.name, tokenization)
-        super().__init__(
-            text_key=text_key,
-            low=check_int(self.name, "min_num", min_num, minimum=0),
-            high=check_int(self.name, "max_num", max_num, minimum=0),
-            min_closed_interval=min_closed_interval,
-            max_closed_interval=max_closed_interval,
-            reversed_range=reversed_range,
-        )
+    def check_options(self, values: Mapping[str, object]) -> None:
+        check_word_options(self.name, values["lang"], values["tokenization"])
 
     def stat(self, text: str) -> float:
         return count_words(text)
