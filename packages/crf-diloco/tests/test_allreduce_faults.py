@@ -119,7 +119,7 @@ def test_stale_round_files_are_ignored(memory_uri: str, run_replicas: RunReplica
     old = run_replicas(old_run, 2)
     keys = RoundKeys(2)
     for ar in old:
-        ar._announce(keys, {"numel": 300, "codec": "fp32", "op": "avg", "name": None}, True)
+        ar._announce(keys, {"numel": 300, "codec": "fp32", "op": "avg", "name": None, "vote": False}, True)
     old[0]._await_quorum(keys, stale_self=False)
 
     def replica(rank: int) -> tuple[dict[int, tuple[str, torch.Tensor]], float]:

@@ -135,7 +135,7 @@ def test_store_layout_and_garbage_collection(tmp_path: Any, run_replicas: RunRep
 
     run_replicas(replica, 2)
     run = tmp_path / "default"
-    assert json.loads((run / "LAYOUT").read_text()) == {"layout": "crf-diloco", "version": 1}
+    assert json.loads((run / "LAYOUT").read_text()) == {"layout": "crf-diloco", "version": 2}
     rounds = sorted(p.name for p in run.iterdir() if p.name.startswith("r"))
     assert rounds == ["r00000003", "r00000004"], "rounds older than keep_rounds are collected"
     r4 = run / "r00000004"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import threading
 from collections.abc import Callable
@@ -14,10 +15,12 @@ import torch
 import torchft
 import torchft.local_sgd
 from torch import nn
+from torch.distributed import ReduceOp
 from torchft.local_sgd import DiLoCo
 from torchft.manager import Manager
 
 from crf_diloco import DILOCO_MANAGER_SURFACE, MockManager, ObjectStoreAllReduce
+from crf_diloco.layout import RoundKeys
 
 RunReplicas = Callable[..., list[Any]]
 ModelFactory = Callable[..., nn.Module]
@@ -218,7 +221,12 @@ def test_work_objects_behave_like_torchft(memory_uri: str, run_replicas: RunRepl
         a, b = torch.full((4,), float(rank)), torch.full((2, 2), 10.0 * rank)
         work_a = manager.allreduce(a)
         seen: list[torch.Tensor] = []
-        chained = manager.allreduce(b).get_future().then(lambda fut: seen.append(fut.value().clone()) or 1)
+
+        def record(fut: torch.futures.Future[Any]) -> int:
+            seen.append(fut.value().clone())
+            return 1
+
+        chained = manager.allreduce(b).get_future().then(record)
         assert isinstance(work_a, torch.distributed._Work)
         assert work_a.wait() is True  # one round carries both tensors
         assert chained.wait() == 1
@@ -236,9 +244,11 @@ def test_work_objects_behave_like_torchft(memory_uri: str, run_replicas: RunRepl
 def test_reported_error_vetoes_round_on_every_replica_and_keeps_pre_round_weights(
     memory_uri: str, run_replicas: RunReplicas, tiny_model: ModelFactory
 ) -> None:
-    """A replica that reports an error between the quorum and the commit (here: during the one
-    overlapped inner step of ``fragment_sync_delay=1``) votes False; the round aborts on every
-    replica and nobody moves off the pre-round weights."""
+    """A replica that reports an error during the one overlapped inner step of
+    ``fragment_sync_delay=1`` (before its lazy round ran) vetoes the round; it aborts on every
+    replica and nobody moves off the pre-round weights. The veto may reach the store before the
+    other replica joined the round: that replica must still land in the vetoed round, not skip it
+    and commit the next one alone (``test_allreduce_vote.py`` pins that race down)."""
     init = tiny_model().state_dict()
 
     def replica(rank: int) -> tuple[bool, list[torch.Tensor], list[torch.Tensor]]:
@@ -262,6 +272,95 @@ def test_reported_error_vetoes_round_on_every_replica_and_keeps_pre_round_weight
     for committed, before, after in results:
         assert not committed
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=False)), "no partial update anywhere"
+
+
+class EagerMockManager(MockManager):
+    """A MockManager whose allreduce runs its object-store round at once (waits on the Work)."""
+
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp.RedOpType = ReduceOp.AVG
+    ) -> torch.distributed._Work:
+        work = super().allreduce(tensor, should_quantize, reduce_op)
+        work.wait()
+        return work
+
+
+def test_error_reported_after_the_allreduce_completed_vetoes_every_replica(
+    memory_uri: str, run_replicas: RunReplicas, tiny_model: ModelFactory
+) -> None:
+    """Deterministic form of the test above: the pseudo-gradient allreduce has finished on every
+    replica (eager rounds, then a barrier) before rank 1 reports its error during the overlapped
+    inner step. ``should_commit()`` is a vote, so rank 0 must not commit either."""
+    init = tiny_model().state_dict()
+    allreduced = threading.Barrier(2, timeout=30)
+
+    def replica(rank: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor], list[bool]]:
+        manager = EagerMockManager(ObjectStoreAllReduce(memory_uri, rank, 2, timeout=20))
+        model = tiny_model(init)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        before = _params(model)
+        with DiLoCo(manager, [model], inner, outer, sync_every=2, fragment_sync_delay=1):
+            for step in range(2):
+                if step == 1:
+                    allreduced.wait()  # every round of this sync ran (step 0's post-hook prepared it)
+                    assert manager.allreduce_backend.open_rounds, "the rounds wait for the vote"
+                    if rank == 1:
+                        manager.report_error(RuntimeError("injected: loss became NaN"))
+                x, y = _batch(rank, step)
+                inner.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                inner.step()
+        backend = manager.allreduce_backend
+        last = json.loads(backend.store.get(RoundKeys(backend.round_id - 1).decision))
+        outcomes = [last["outcome"] == "commit", backend.latest_committed_round() is not None]
+        return manager.current_step(), before, _params(model), outcomes
+
+    results = run_replicas(replica, 2)
+    for step, before, after, outcomes in results:
+        assert step == 0, "no replica may commit a sync another replica vetoed"
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "no partial update anywhere"
+        assert not any(outcomes), "the store holds no committed round of the vetoed sync"
+
+
+def test_should_commit_is_a_store_wide_vote(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """torchft's call order without DiLoCo: allreduce, wait, then an error, then should_commit."""
+    barrier = threading.Barrier(2, timeout=30)
+
+    def replica(rank: int) -> list[bool]:
+        manager = MockManager(ObjectStoreAllReduce(memory_uri, rank, 2, timeout=20))
+        answers = []
+        for sync in range(3):
+            manager.start_quorum()
+            t = torch.full((5,), float(rank + sync))
+            assert manager.allreduce(t).wait() is True
+            assert torch.equal(t, torch.full((5,), sync + 0.5))
+            barrier.wait()  # both allreduces completed
+            if sync == 1 and rank == 0:
+                manager.report_error(RuntimeError("injected after the allreduce"))
+            answers.append(manager.should_commit())
+        return answers
+
+    assert run_replicas(replica, 2) == [[True, False, True]] * 2
+    store = ObjectStoreAllReduce(memory_uri, 0, 2).store
+    decision = json.loads(store.get(RoundKeys(1).decision))
+    assert decision["outcome"] == "abort"
+    assert "injected after the allreduce" in decision["reason"]
+    assert [json.loads(store.get(RoundKeys(1).vote(r)))["ok"] for r in range(2)] == [False, True]
+
+
+def test_too_few_participants_abort_in_the_store(memory_uri: str) -> None:
+    """min_replica_size is part of the vote: the store records abort (so nobody heals towards a
+    round whose state was never written)."""
+    manager = MockManager(ObjectStoreAllReduce(memory_uri, 0, 2, timeout=5, quorum_timeout=0.3), min_replica_size=2)
+    manager.start_quorum()
+    assert manager.allreduce(torch.ones(3)).wait() is True
+    assert manager.should_commit() is False
+    assert manager.current_step() == 0
+    decision = json.loads(manager.allreduce_backend.store.get(RoundKeys(0).decision))
+    assert decision["outcome"] == "abort"
+    assert "min_replica_size=2" in decision["reason"]
+    assert manager.allreduce_backend.latest_committed_round() is None
 
 
 def test_wait_never_raises_and_should_commit_votes_false_on_store_failure(tmp_path: Any) -> None:

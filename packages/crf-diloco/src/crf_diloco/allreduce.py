@@ -2,12 +2,16 @@
 
 Protocol of one round ``r`` (keys in :mod:`crf_diloco.layout`, wire format in :mod:`crf_diloco.wire`):
 
-1. **Announce.** Each replica creates ``members/{rank}.json`` (incarnation nonce, payload spec).
+1. **Announce.** Each replica creates ``members/{rank}.json`` (incarnation nonce, payload spec). A
+   replica that vetoes the round (:meth:`ObjectStoreAllReduce.abort`) announces with a ``veto``
+   reason instead of a payload spec.
 2. **Quorum.** When every expected replica has announced, or the quorum deadline passes, any
    replica creates ``quorum.json`` (first writer wins): the participants (sorted ranks), the shard
    plan and a fresh round token. Expected = all ranks in the first round, afterwards the previous
    round's participants and announcers, so survivors of a crash pay the quorum deadline once.
-   Late replicas are observers of the round: they contribute nothing but read the result.
+   Late replicas are observers of the round: they contribute nothing but read the result. If an
+   announced participant vetoes, the replica that would write the quorum aborts the round instead:
+   membership is settled first, so no peer can miss the veto and run on alone in the next round.
 3. **Contribute.** Each participant creates ``data/{rank}.safetensors`` once (its whole payload).
 4. **Reduce-scatter.** The owner of shard ``k`` (``participants[k]``) range-reads slice ``k`` of
    every payload, verifies its CRC, sums in fp32 in participant order (divides by the number of
@@ -19,6 +23,13 @@ Protocol of one round ``r`` (keys in :mod:`crf_diloco.layout`, wire format in :m
    ``commit``; a replica whose deadline passes, or that finds a corrupt or stale object, creates
    it with ``abort``. First writer wins and every replica follows what it reads there, so no round
    commits on one replica and aborts on another. Inputs are only written after a commit.
+7. **Vote** (rounds run with ``defer_decision=True``, e.g. by ``MockManager``: the collective
+   ``should_commit``). Step 6 never writes ``commit``; :meth:`ObjectStoreAllReduce.vote` does: each
+   participant creates ``votes/{rank}.json`` (``ok`` true or false), and the first replica able to
+   decide creates ``decision.json``: ``commit`` once every participant voted true, ``abort`` as soon
+   as one voted false or when ``timeout`` passes with votes missing. Observers do not vote; they
+   follow the decision. The inputs hold the reduced values from the end of step 5 on; the vote
+   decides whether the caller uses them.
 
 Bytes per participant with ``m`` participants and payload ``S``: up ``S + S/m``, down
 ``2·(m−1)/m·S`` (plus small headers), independent of the world size.
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import time
@@ -63,6 +75,7 @@ from crf_diloco.wire import (
 __all__ = ["ENV_RANK", "ENV_RUN_ID", "ENV_URI", "ENV_WORLD_SIZE", "ObjectStoreAllReduce", "RoundInfo"]
 
 
+logger = logging.getLogger(__name__)
 TensorOrList = TypeVar("TensorOrList", torch.Tensor, Sequence[torch.Tensor])
 Compression = Literal["bf16", "int8"]
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -74,10 +87,19 @@ class RoundInfo:
     """What this replica knows about the last round it took part in."""
 
     round_id: int
-    outcome: Literal["commit", "abort", "passthrough"]
+    outcome: Literal["commit", "abort", "passthrough", "pending"]
     participants: list[int] = field(default_factory=list)
     participated: bool = False
     reason: str = ""
+
+
+@dataclass
+class _OpenRound:
+    """A round whose data phase is done and whose decision waits for the vote."""
+
+    keys: RoundKeys
+    quorum: dict[str, Any]
+    participated: bool
 
 
 class _Abort(Exception):
@@ -161,6 +183,7 @@ class ObjectStoreAllReduce:
         self._joined = False
         self._layout_ok = False
         self._expected: set[int] | None = None
+        self._open: list[_OpenRound] = []
         self._closed = False
         if preflight:
             self.preflight()
@@ -221,6 +244,7 @@ class ObjectStoreAllReduce:
         compression: Compression | None = _UNSET,
         participate: bool = True,
         name: str | None = None,
+        defer_decision: bool = False,
     ) -> TensorOrList:
         """Reduce ``tensors`` across replicas in place (one round) and return the same object.
 
@@ -231,6 +255,9 @@ class ObjectStoreAllReduce:
             compression: override the instance's wire compression for this round.
             participate: False to only read the round's result (a healing replica).
             name: optional label; every replica of the round must pass the same one.
+            defer_decision: leave the round open after the data phase: ``tensors`` hold the
+                reduced values, and :meth:`vote` later decides (store-wide) whether the round
+                commits. Every replica of the round must pass the same value.
 
         Raises:
             RoundAbortedError, RoundTimeoutError, CorruptObjectError, RoundDesyncError (all
@@ -244,6 +271,8 @@ class ObjectStoreAllReduce:
         codec = _codec(self.compression if compression is _UNSET else compression)
         if name is not None:
             validate_name(name, "name")
+        if not isinstance(defer_decision, bool):
+            raise TypeError(f"defer_decision must be a bool, got {type(defer_decision).__name__}")
         if self.world_size == 1:
             self.last_round = RoundInfo(self.round_id, "passthrough", [self.rank], True)
             self.round_id += 1
@@ -252,24 +281,76 @@ class ObjectStoreAllReduce:
         flat = _flatten(tensor_list)
         round_id = self.round_id
         try:
-            pieces = self._run_round(round_id, flat, op, codec, participate, name)
+            pieces = self._run_round(round_id, flat, op, codec, participate, name, defer_decision)
         finally:
             self.round_id = round_id + 1
         _write_back(tensor_list, pieces)
         return tensors
 
-    def abort(self, reason: str) -> None:
-        """Veto the next round: create its ``abort`` decision (every replica will see it) and skip it."""
-        if self.world_size == 1:
-            self.round_id += 1
+    def abort(self, reason: str, *, participate: bool = True) -> None:
+        """Veto the next round (a false vote cast before its data phase) and skip it; never raises
+        :class:`RoundAbortedError`.
+
+        The veto is announced in the round's member records; the round is aborted for everyone as
+        soon as its membership is settled (every expected replica announced, or the quorum deadline
+        passed), so a peer that has not joined yet cannot skip the decided round and run the next
+        one alone. A veto that arrives after the quorum formed is late (this replica is not a
+        participant) and leaves the round to its participants. ``participate=False`` (an observing
+        replica) skips the round without any I/O.
+        """
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
+        round_id = self.round_id
+        if self.world_size == 1 or not participate:
+            self.last_round = RoundInfo(round_id, "abort", [], False, reason)
+            self.round_id = round_id + 1
             return
         self._join()
-        keys = RoundKeys(self.round_id)
+        round_id = self.round_id
+        keys = RoundKeys(round_id)
+        quorum: dict[str, Any] | None = None
         try:
-            self._write_decision(keys, "abort", f"rank {self.rank}: {reason}", None)
-            self.last_round = RoundInfo(self.round_id, "abort", [], False, reason)
+            if self._read_json(keys.decision) is None:
+                quorum = self._await_quorum(keys, self._announce(keys, None, True, veto=reason))
+            late = f"rank {self.rank}'s veto came after round {round_id} was settled without it: {reason}"
+            self._finish(keys, quorum, "abort", late, participated=False)
+        except RoundAbortedError as exc:
+            self._finish(keys, None, "abort", str(exc), participated=False)
+        except (_Abort, AllReduceError) as exc:
+            # membership settled with our veto (or local trouble): abort the round for everyone
+            why = exc.args[0] if exc.args else repr(exc)
+            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {why}", None)
+            self._finish(keys, None, "abort", str(decision.get("reason", "")), participated=False)
         finally:
-            self.round_id += 1
+            self.round_id = round_id + 1
+
+    @property
+    def open_rounds(self) -> list[int]:
+        """Rounds run with ``defer_decision=True`` whose decision waits for :meth:`vote`."""
+        return [o.keys.round_id for o in self._open]
+
+    def vote(self, ok: bool, reason: str = "") -> bool:
+        """Vote on every open round (in order) and return True iff all of them committed.
+
+        A participant creates ``votes/{rank}.json``; the first replica able to decide creates the
+        round's decision: ``commit`` when every participant voted true, ``abort`` when one voted
+        false or ``timeout`` passed with votes missing. Every replica follows that decision, so the
+        result is the same on all participants. Observers do not vote, they wait for the decision.
+        Once a round aborts, this replica votes false on the rest. True when no round is open.
+        Store trouble counts as not committed here (the round may still commit elsewhere; this
+        replica is then behind and ``MockManager`` heals it). No I/O when no round is open.
+        """
+        if not isinstance(ok, bool):
+            raise TypeError(f"ok must be a bool, got {type(ok).__name__}")
+        rounds, self._open = self._open, []
+        committed = True
+        for open_round in rounds:
+            if ok and not committed:
+                why = f"an earlier round of this sync (before round {open_round.keys.round_id}) aborted"
+            else:
+                why = reason
+            committed = self._settle(open_round, ok and committed, why) and committed
+        return committed
 
     def latest_committed_round(self) -> int | None:
         """Highest round id whose decision in the store is ``commit`` (among retained rounds)."""
@@ -364,10 +445,17 @@ class ObjectStoreAllReduce:
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.get('reason', '')}")
 
     def _run_round(
-        self, round_id: int, flat: torch.Tensor, op: str, codec: str, participate: bool, name: str | None
+        self,
+        round_id: int,
+        flat: torch.Tensor,
+        op: str,
+        codec: str,
+        participate: bool,
+        name: str | None,
+        defer: bool,
     ) -> list[torch.Tensor]:
         keys = RoundKeys(round_id)
-        spec = {"numel": flat.numel(), "codec": codec, "op": op, "name": name}
+        spec = {"numel": flat.numel(), "codec": codec, "op": op, "name": name, "vote": defer}
         quorum: dict[str, Any] | None = None
         try:
             decision = self._read_json(keys.decision)
@@ -381,7 +469,7 @@ class ObjectStoreAllReduce:
                 return self._follow_commit(keys, quorum, spec, decision)
             stale_self = self._announce(keys, spec, participate)
             quorum = self._await_quorum(keys, stale_self)
-            return self._data_phase(keys, quorum, flat, spec)
+            return self._data_phase(keys, quorum, flat, spec, defer)
         except RoundAbortedError:
             self._finish(keys, quorum, "abort", "")
             raise
@@ -397,10 +485,18 @@ class ObjectStoreAllReduce:
             self._finish(keys, quorum, "abort", str(decision.get("reason", "")))
             raise RoundAbortedError(f"round {round_id} aborted: {decision.get('reason', '')}") from None
 
-    def _announce(self, keys: RoundKeys, spec: dict[str, Any], participate: bool) -> bool:
+    def _announce(
+        self, keys: RoundKeys, spec: dict[str, Any] | None, participate: bool, veto: str | None = None
+    ) -> bool:
         """Create this replica's member record. Returns True if a record of another incarnation of
         this rank is already there (a stale round, or our own previous life)."""
-        record = {"rank": self.rank, "incarnation": self.incarnation, "spec": spec, "observer": not participate}
+        record = {
+            "rank": self.rank,
+            "incarnation": self.incarnation,
+            "spec": spec,
+            "observer": not participate,
+            "veto": veto,
+        }
         if self.store.put_create(keys.member(self.rank), json.dumps(record).encode()):
             return False
         existing = self._read_json(keys.member(self.rank))
@@ -438,6 +534,13 @@ class ObjectStoreAllReduce:
                 f"({self.quorum_timeout:.1f}s), min_participants={self.min_participants}"
             )
         participants = sorted(announced)
+        vetoes = [
+            f"rank {r} vetoed round {keys.round_id}: {members[r]['veto']}"
+            for r in participants
+            if members[r].get("veto")
+        ]
+        if vetoes:
+            raise _Abort("; ".join(vetoes))
         specs = {json.dumps(members[r]["spec"], sort_keys=True) for r in participants}
         if len(specs) != 1:
             detail = {r: members[r]["spec"] for r in participants}
@@ -456,7 +559,7 @@ class ObjectStoreAllReduce:
         self.store.put_create(keys.quorum, json.dumps(record).encode())
 
     def _data_phase(
-        self, keys: RoundKeys, quorum: dict[str, Any], flat: torch.Tensor, spec: dict[str, Any]
+        self, keys: RoundKeys, quorum: dict[str, Any], flat: torch.Tensor, spec: dict[str, Any], defer: bool
     ) -> list[torch.Tensor]:
         participants = [int(r) for r in quorum["participants"]]
         plan = ShardPlan.from_json(quorum["plan"])
@@ -482,11 +585,78 @@ class ObjectStoreAllReduce:
             shard = participants.index(self.rank)
             local[shard] = self._reduce_shard(keys, quorum, plan, shard, deadline, own=flat)
         pieces = self._gather(keys, quorum, plan, deadline, start, local, own=flat if mine else None)
+        if defer:
+            self._open.append(_OpenRound(keys, quorum, mine))
+            self.last_round = RoundInfo(keys.round_id, "pending", participants, mine)
+            return pieces
         decision = self._write_decision(keys, "commit", "", token)
         if decision.get("outcome") != "commit":
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.get('reason', '')}")
         self._finish(keys, quorum, "commit", "")
         return pieces
+
+    def _settle(self, open_round: _OpenRound, ok: bool, reason: str) -> bool:
+        """Cast this replica's vote on an open round, then decide or follow; True iff it committed."""
+        keys, quorum = open_round.keys, open_round.quorum
+        token = str(quorum["token"])
+        participants = [int(r) for r in quorum["participants"]]
+        try:
+            if open_round.participated:
+                record = {
+                    "rank": self.rank,
+                    "ok": ok,
+                    "reason": reason,
+                    "token": token,
+                    "incarnation": self.incarnation,
+                }
+                self.store.put_create(keys.vote(self.rank), json.dumps(record).encode())
+            decision = self._await_votes(keys, participants, token, ok, reason)
+        except (_Abort, AllReduceError) as exc:
+            why = exc.args[0] if exc.args else repr(exc)
+            try:
+                decision = self._write_decision(keys, "abort", f"rank {self.rank}: {why}", token)
+            except AllReduceError as final:
+                logger.warning("round %d: could not settle its vote: %s", keys.round_id, final)
+                self._finish(keys, quorum, "abort", str(final), participated=open_round.participated)
+                return False
+        outcome: Literal["commit", "abort"] = "commit" if decision.get("outcome") == "commit" else "abort"
+        self._finish(keys, quorum, outcome, str(decision.get("reason", "")), participated=open_round.participated)
+        return outcome == "commit"
+
+    def _await_votes(
+        self, keys: RoundKeys, participants: list[int], token: str, ok: bool, reason: str
+    ) -> dict[str, Any]:
+        """Poll the round's votes until a decision stands (writing it when this replica can decide)."""
+        if not ok:
+            return self._write_decision(keys, "abort", f"rank {self.rank} voted to abort: {reason}", token)
+        deadline = time.monotonic() + self.timeout
+        votes: dict[int, dict[str, Any]] = {}
+        attempt = 0
+        while True:
+            decision = self._read_json(keys.decision)
+            if decision is not None:
+                return decision
+            for entry in self.store.list_names(keys.votes_dir):
+                rank = _rank_of(entry)
+                if rank in participants and rank not in votes:
+                    record = self._read_json(keys.vote(rank))
+                    if record is not None:
+                        if record.get("token") != token:
+                            raise _Abort(f"{keys.vote(rank)} belongs to another round attempt (stale object)")
+                        votes[rank] = record
+            against = sorted(r for r, v in votes.items() if v.get("ok") is not True)
+            if against:
+                why = "; ".join(f"rank {r} voted to abort: {votes[r].get('reason', '')}" for r in against)
+                return self._write_decision(keys, "abort", why, token)
+            if len(votes) == len(participants):
+                return self._write_decision(keys, "commit", "", token)
+            if time.monotonic() > deadline:
+                missing = sorted(set(participants) - set(votes))
+                return self._write_decision(
+                    keys, "abort", f"votes of ranks {missing} did not appear within {self.timeout:.1f}s", token
+                )
+            self._sleep(attempt)
+            attempt += 1
 
     def _reduce_shard(
         self,

@@ -1,15 +1,17 @@
-"""Object-store layout of a serverless DiLoCo run (layout version 1).
+"""Object-store layout of a serverless DiLoCo run (layout version 2).
 
 Everything lives under ``{uri}/{run_id}/``::
 
-    LAYOUT                          {"layout": "crf-diloco", "version": 1}      (create-only)
-    r{round:08d}/members/{rank}.json  announcement: incarnation nonce, payload spec, observer flag
+    LAYOUT                          {"layout": "crf-diloco", "version": 2}      (create-only)
+    r{round:08d}/members/{rank}.json  announcement: incarnation nonce, payload spec, observer flag, veto
     r{round:08d}/quorum.json          participants, shard bounds, round token (first writer wins)
     r{round:08d}/data/{rank}.safetensors      a participant's whole payload, written once
     r{round:08d}/reduced/{shard}.safetensors  the reduced shard (owner, or any replica covering it)
+    r{round:08d}/votes/{rank}.json    a participant's commit vote {"ok": bool, ...} (rounds run with a vote)
     r{round:08d}/decision.json        {"outcome": "commit" | "abort", ...}   (first writer wins)
     state/r{round:08d}.safetensors    MockManager's global state after the commit of that round
 
+Version 2 added ``votes/`` (the store-wide ``should_commit`` vote) and the member ``veto`` field.
 Every object is written create-only and never rewritten. Names that reach a key are validated
 so that nothing can escape the run prefix.
 """
@@ -27,7 +29,7 @@ __all__ = [
     "validate_name",
 ]
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ROUND_RE = re.compile(r"^r(\d{8,})$")
 _STATE_RE = re.compile(r"^r(\d{8,})\.safetensors$")
@@ -74,6 +76,13 @@ class RoundKeys:
 
     def reduced(self, shard: int) -> str:
         return f"{self.prefix}/reduced/{shard}.safetensors"
+
+    def vote(self, rank: int) -> str:
+        return f"{self.prefix}/votes/{rank}.json"
+
+    @property
+    def votes_dir(self) -> str:
+        return f"{self.prefix}/votes"
 
     @property
     def decision(self) -> str:

@@ -68,9 +68,11 @@ class ObjectStoreWork(dist._Work):
 
     The tensor is reduced in place. Rounds are lazy: every tensor handed to ``allreduce`` since the
     last flush travels in one object-store round, run by the first ``wait()`` (or
-    ``get_future().wait()``, or ``should_commit()``). ``wait()`` returns False instead of raising
-    and reports the error to the manager, so ``should_commit()`` votes False. ``get_future()``
-    completes with the tensor (unchanged on failure) and supports ``.then``.
+    ``get_future().wait()``, or ``should_commit()``). ``wait()`` returns True once the data phase
+    succeeded (the tensor then holds the reduced values; whether the sync commits is decided by
+    the store-wide ``should_commit()`` vote, as in torchft), and False instead of raising: the
+    error goes to the manager, so ``should_commit()`` votes False. ``get_future()`` completes with
+    the tensor (unchanged on failure) and supports ``.then``.
     """
 
     def __init__(self, manager: MockManager, tensor: torch.Tensor) -> None:
@@ -135,10 +137,14 @@ class MockManager:
       ``should_commit()`` go in one round (one round per distinct ``(reduce_op, quantize)`` pair,
       in call order). ``should_quantize=True`` uses int8 row-wise compression unless the
       allreduce already compresses.
-    * ``should_commit()`` returns the round's decision, which is the same on every replica (one
-      decision object per round). It is False if this replica reported an error; then the round
-      is vetoed for everyone (an ``abort`` decision), like torchft's collective vote. It is False
-      if fewer than ``min_replica_size`` replicas took part. On True the step advances.
+    * ``should_commit()`` is a store-wide vote, like torchft's collective ``should_commit``: the
+      sync's rounds run with ``defer_decision=True``, and each participant votes True only if all
+      its rounds succeeded, it reported no error (even one reported after the allreduce finished)
+      and at least ``min_replica_size`` replicas took part. One decision object per round settles
+      the vote (``ObjectStoreAllReduce.vote``), so every participant gets the same answer. A
+      replica that errored before its round ran vetoes that round instead
+      (``ObjectStoreAllReduce.abort``). Observers (healing replicas) do not vote. On True the step
+      advances.
     * Healing: the lowest participant of a committed round writes the global state (every
       ``register_state_dict_fn`` state plus ``{"step", "batches_committed"}``) to
       ``state/r{round}.safetensors`` right after the outer step; the others write it at their
@@ -221,6 +227,8 @@ class MockManager:
         """Begin a sync: write a due checkpoint, clear errors, heal from the store if behind."""
         self._write_checkpoint_if_due()
         self._ensure_checkpoint()
+        if self._allreduce.open_rounds:  # a sync that never reached should_commit(): vote it down
+            self._vote(False, "the sync ended without should_commit()")
         self._errored = None
         self._rounds_ok = []
         if allow_heal:
@@ -324,13 +332,14 @@ class MockManager:
             ok = False
             try:
                 if self._errored is not None:
-                    self._allreduce.abort(f"replica reported an error: {self._errored!r}")
+                    self._veto()
                 else:
                     self._allreduce.allreduce(
                         [t for t, _ in items],
                         op,  # type: ignore[arg-type]
                         compression=compression,  # type: ignore[arg-type]
                         participate=not self._observe_next,
+                        defer_decision=True,
                     )
                     ok = True
             except AllReduceError as e:
@@ -343,15 +352,42 @@ class MockManager:
                 for _, work in items:
                     work._complete(ok)
 
+    def _veto(self) -> None:
+        """Veto the round the others are in (this replica errored before it ran)."""
+        self._allreduce.abort(f"replica reported an error: {self._errored!r}", participate=not self._observe_next)
+
+    def _vote(self, ok: bool, reason: str) -> bool:
+        """Settle the sync's open rounds by the store-wide vote; False on store trouble."""
+        try:
+            return self._allreduce.vote(ok, reason)
+        except AllReduceError as e:
+            self.report_error(e)
+            return False
+
     def should_commit(self, timeout: timedelta | None = None) -> bool:
-        """Finish pending rounds and return the (store-wide) decision of this sync."""
+        """Finish pending rounds, vote, and return the store-wide decision of this sync.
+
+        This replica votes True iff all its rounds succeeded, no error was reported (also after the
+        allreduce) and at least ``min_replica_size`` replicas took part; the sync commits iff every
+        participant voted True, and every participant gets the same answer.
+        """
         if self._errored is not None and not self._pending and not self._rounds_ok:
             # an error before any allreduce: veto the round the others are in
-            self._allreduce.abort(f"replica reported an error: {self._errored!r}")
+            try:
+                self._veto()
+            except AllReduceError as e:
+                logger.warning("rank %d could not veto its round: %s", self.rank, e)
             self._rounds_ok.append(False)
         self._flush()
         enough = self.num_participants() >= self._min_replica_size
-        ok = bool(self._rounds_ok) and all(self._rounds_ok) and self._errored is None and enough
+        local_ok = bool(self._rounds_ok) and all(self._rounds_ok) and self._errored is None and enough
+        if self._errored is not None:
+            reason = f"replica reported an error: {self._errored!r}"
+        elif not enough:
+            reason = f"{self.num_participants()} participant(s) < min_replica_size={self._min_replica_size}"
+        else:
+            reason = "a round of this sync failed"
+        ok = self._vote(local_ok, reason) and local_ok
         info = self._allreduce.last_round
         self._rounds_ok = []
         if ok:
