@@ -157,7 +157,7 @@ def install(
 
 def run_pytest(session: nox.Session, paths: list[str], *extra: str) -> None:
     REPORTS.mkdir(exist_ok=True)
-    report = REPORTS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", session.name) + ".xml")
+    report = REPORTS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", session.name).strip("_") + ".xml")
     session.run("python", "-m", "pytest", *paths, *PYTEST_DEFAULT, f"--junitxml={report}", *extra, *session.posargs)
 
 

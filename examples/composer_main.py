@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -329,14 +328,45 @@ def _progress_callback(rank: int, total: int, result: ReplicaResult, start: floa
 
 
 def run_replica(
-    rank: int, opts: argparse.Namespace, pairs: Path, tasks: list[dict[str, Any]], store: str, policy: tuple[Any, Any]
+    rank: int,
+    opts: argparse.Namespace,
+    pairs: Path,
+    tasks: list[dict[str, Any]],
+    store: str,
+    policy: tuple[Any, Any],
+    built: threading.Barrier,
 ) -> ReplicaResult:
-    """Train one replica (its own copy of ``policy``) inside torchft's DiLoCo, synced through the object store."""
+    """Train one replica (its own copy of ``policy``) inside torchft's DiLoCo, synced through the object store.
+
+    Replicas are threads of one process, and building a ``TrainingArguments`` resets accelerate's process-wide
+    ``AcceleratorState``: every replica builds its trainer under ``_BUILD_LOCK`` and waits at ``built`` until all
+    have, so no replica trains while another resets that state."""
+    from torchft.local_sgd import DiLoCo
+
+    with _BUILD_LOCK:
+        result, parts = _build_replica(rank, opts, pairs, tasks, store, policy)
+    built.wait()
+    trainer, manager, allreduce, policy_model, outer = parts
+    with DiLoCo(manager, [policy_model], trainer.optimizer, outer, sync_every=opts.sync_every, pin_memory=False):
+        trainer.train()
+    result.rounds_committed = int(manager.current_step())
+    result.bytes_written, result.bytes_read = allreduce.bytes_written, allreduce.bytes_read
+    result.seconds = time.monotonic() - result.seconds
+    result.model = policy_model
+    return result
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def _build_replica(
+    rank: int, opts: argparse.Namespace, pairs: Path, tasks: list[dict[str, Any]], store: str, policy: tuple[Any, Any]
+) -> tuple[ReplicaResult, tuple[Any, Any, Any, Any, Any]]:
+    """One replica's allreduce, trainer, manager and outer optimizer (``result.seconds`` holds the start time)."""
     import copy
 
     import torch
     from datasets import Dataset
-    from torchft.local_sgd import DiLoCo
 
     from crf_core.rewards import UnitTestReward
     from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
@@ -345,6 +375,7 @@ def run_replica(
 
     result = ReplicaResult(rank)
     start = time.monotonic()
+    result.seconds = start
     # Built first, with a probe write/read, so a wrong URI or missing credentials fail before training.
     allreduce = ObjectStoreAllReduce(
         store,
@@ -400,13 +431,7 @@ def run_replica(
         momentum=opts.outer_momentum,
         nesterov=opts.outer_momentum > 0,
     )
-    with DiLoCo(manager, [policy_model], trainer.optimizer, outer, sync_every=opts.sync_every, pin_memory=False):
-        trainer.train()
-    result.rounds_committed = int(manager.current_step())
-    result.bytes_written, result.bytes_read = allreduce.bytes_written, allreduce.bytes_read
-    result.seconds = time.monotonic() - start
-    result.model = policy_model
-    return result
+    return result, (trainer, manager, allreduce, policy_model, outer)
 
 
 # --------------------------------------------------------------------------- report
@@ -559,7 +584,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "s3fs also reads AWS_ENDPOINT_URL and the AWS_* credentials from the environment",
     )
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2-135m"), help="policy to train")
-    parser.add_argument("--output-dir", default=None, help="where the plot, logs and store go (default: a temp folder)")
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        help="where the plot, logs and store go (default: runs/composer_main-<date>-<time>)",
+    )
     parser.add_argument(
         "--teacher-url", default=None, help="OpenAI-compatible /v1 URL of a real replay teacher (default: local oracle)"
     )
@@ -627,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.replicas))
-    output = Path(opts.output_dir or tempfile.mkdtemp(prefix="crf-main-"))
+    output = Path(opts.output_dir or Path("runs") / time.strftime("composer_main-%Y%m%d-%H%M%S")).resolve()
     output.mkdir(parents=True, exist_ok=True)
     opts.output_dir = str(output)
     store = opts.store or str(output / "store")
@@ -661,10 +690,13 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
 
     results: list[ReplicaResult] = [ReplicaResult(rank) for rank in range(opts.replicas)]
 
+    built = threading.Barrier(opts.replicas)
+
     def target(rank: int) -> None:
         try:
-            results[rank] = run_replica(rank, opts, pairs, tasks, store, policy)
+            results[rank] = run_replica(rank, opts, pairs, tasks, store, policy, built)
         except BaseException as exc:  # surfaced after join
+            built.abort()  # the others stop waiting (BrokenBarrierError) instead of hanging
             results[rank].error = exc
 
     threads = [threading.Thread(target=target, args=(rank,), name=f"replica-{rank}") for rank in range(opts.replicas)]
@@ -672,9 +704,12 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
         thread.start()
     for thread in threads:
         thread.join()
-    for r in results:
-        if r.error is not None:
-            raise RuntimeError(f"replica {r.rank} failed: {r.error!r}") from r.error
+    # A replica that failed while building aborts the barrier; report its error, not the others' broken waits.
+    failed = sorted(
+        (r for r in results if r.error is not None), key=lambda r: isinstance(r.error, threading.BrokenBarrierError)
+    )
+    if failed:
+        raise RuntimeError(f"replica {failed[0].rank} failed: {failed[0].error!r}") from failed[0].error
     for r in results:
         r.pass_rate_before = before
         r.pass_rate_after = pass_rate(r.model) if opts.eval_samples else float("nan")
