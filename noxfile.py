@@ -272,11 +272,12 @@ def wheels(session: nox.Session) -> None:
 def build(session: nox.Session) -> None:
     """Wheels and sdists for every package into dist/, metadata checked with twine."""
     dist = _build(session)
+    artifacts = sorted([*dist.glob("*.whl"), *dist.glob("*.tar.gz")])  # uv build also drops a .gitignore there
     session.install("twine>=6")
-    session.run("twine", "check", "--strict", *[str(p) for p in sorted(dist.iterdir())])
+    session.run("twine", "check", "--strict", *map(str, artifacts))
     out = ROOT / "dist"
     out.mkdir(exist_ok=True)
-    for p in dist.iterdir():
+    for p in artifacts:
         shutil.copy2(p, out / p.name)
     session.log(f"artifacts in {out}")
 
