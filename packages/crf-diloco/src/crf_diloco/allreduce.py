@@ -57,8 +57,8 @@ from crf_diloco.errors import (
     RoundDesyncError,
     RoundTimeoutError,
 )
-from crf_diloco.executors.base import ENV_RANK, ENV_RUN_ID, ENV_URI, ENV_WORLD_SIZE
 from crf_diloco.layout import LAYOUT_VERSION, RoundKeys, parse_round_dir, validate_name
+from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_URI, ENV_WORLD_SIZE
 from crf_diloco.store import ObjectStore
 from crf_diloco.wire import (
     CODECS,

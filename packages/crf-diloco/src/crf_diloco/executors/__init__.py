@@ -5,23 +5,19 @@
 """
 
 from crf_diloco.executors.base import (
-    ENV_RANK,
-    ENV_RUN_ID,
-    ENV_URI,
-    ENV_WORLD_SIZE,
     OutputCallback,
     ReplicaFailureError,
     ReplicaResult,
     ServerlessExecutor,
     new_run_id,
     raise_for_failures,
-    replica_environment,
     run_replicas,
 )
 from crf_diloco.executors.hf_jobs import HFJobsExecutor
 from crf_diloco.executors.local import LocalProcessExecutor, LocalReplicaHandle
 from crf_diloco.executors.modal import ModalExecutor
 from crf_diloco.executors.ray import RayExecutor, RayReplicaHandle
+from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_URI, ENV_WORLD_SIZE, replica_environment
 
 __all__ = [
     "ENV_RANK",

@@ -24,12 +24,6 @@ from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from crf_diloco.layout import validate_name
 
-ENV_RANK = "CRF_DILOCO_RANK"
-ENV_WORLD_SIZE = "CRF_DILOCO_WORLD_SIZE"
-ENV_URI = "CRF_DILOCO_URI"
-ENV_RUN_ID = "CRF_DILOCO_RUN_ID"
-REPLICA_ENV_VARS = (ENV_RANK, ENV_WORLD_SIZE, ENV_URI, ENV_RUN_ID)
-
 OutputCallback = Callable[[int, str, str], None]
 """``on_output(rank, stream, line)``: called once per output line of a replica; ``stream`` is ``"stdout"`` or
 ``"stderr"``, ``line`` has no trailing newline. Called from reader threads, so it must be thread-safe."""
@@ -212,26 +206,6 @@ def validate_launch(command: Sequence[str], world_size: int, uri: str, run_id: s
     validate_world_size(world_size)
     run_id = validate_name(run_id, "run_id") if run_id is not None else new_run_id()
     return LaunchSpec(argv, normalize_uri(uri), run_id)
-
-
-def replica_environment(
-    rank: int, world_size: int, uri: str, run_id: str, extra: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The variables a replica needs (``CRF_DILOCO_RANK``/``_WORLD_SIZE``/``_URI``/``_RUN_ID``) plus ``extra``.
-
-    ``extra`` may not set the ``CRF_DILOCO_*`` variables itself: the executor owns them.
-    """
-    extra = dict(extra or {})
-    clash = sorted(set(extra) & set(REPLICA_ENV_VARS))
-    if clash:
-        raise ValueError(f"env must not set {clash}: the executor sets them per replica (pass uri/run_id instead)")
-    bad = [k for k, v in extra.items() if not isinstance(k, str) or not isinstance(v, str)]
-    if bad:
-        raise TypeError(f"env keys and values must be strings; offending keys: {bad!r}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got {rank}")
-    extra.update({ENV_RANK: str(rank), ENV_WORLD_SIZE: str(world_size), ENV_URI: uri, ENV_RUN_ID: run_id})
-    return extra
 
 
 def describe_returncode(returncode: int | None) -> str:

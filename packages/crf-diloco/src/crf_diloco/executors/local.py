@@ -11,11 +11,11 @@ from crf_diloco.executors._process import ReplicaProcess, terminate_all
 from crf_diloco.executors.base import (
     OutputCallback,
     ReplicaResult,
-    replica_environment,
     validate_launch,
     validate_tail_lines,
     validate_timeout,
 )
+from crf_diloco.replica_env import replica_environment
 
 
 @dataclass(frozen=True)

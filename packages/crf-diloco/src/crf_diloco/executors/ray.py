@@ -20,11 +20,11 @@ from crf_diloco.executors.base import (
     OutputCallback,
     ReplicaResult,
     describe_returncode,
-    replica_environment,
     validate_launch,
     validate_tail_lines,
     validate_timeout,
 )
+from crf_diloco.replica_env import replica_environment
 
 _RAY_INSTALL_HINT = "RayExecutor needs Ray, which is not installed: pip install 'crf-diloco[ray]'"
 _CANCEL_POLL_S = 0.2
