@@ -13,8 +13,21 @@ ENV_WORLD_SIZE = "CRF_DILOCO_WORLD_SIZE"
 ENV_URI = "CRF_DILOCO_URI"
 ENV_RUN_ID = "CRF_DILOCO_RUN_ID"
 REPLICA_ENV_VARS = (ENV_RANK, ENV_WORLD_SIZE, ENV_URI, ENV_RUN_ID)
+ENV_SECRET = "CRF_DILOCO_SECRET"
+"""The per-run key that authenticates store objects. A secret: executors pass it the way their backend passes
+secrets (never as plain job environment, never in logs)."""
+SECRET_ENV_VARS = (ENV_SECRET,)
 
-__all__ = ["ENV_RANK", "ENV_RUN_ID", "ENV_URI", "ENV_WORLD_SIZE", "REPLICA_ENV_VARS", "replica_environment"]
+__all__ = [
+    "ENV_RANK",
+    "ENV_RUN_ID",
+    "ENV_SECRET",
+    "ENV_URI",
+    "ENV_WORLD_SIZE",
+    "REPLICA_ENV_VARS",
+    "SECRET_ENV_VARS",
+    "replica_environment",
+]
 
 
 def replica_environment(
