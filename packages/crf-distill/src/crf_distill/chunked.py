@@ -1,18 +1,13 @@
-"""Chunked fused-linear execution: ``lm_head`` matmul + loss without materialising ``(N, V)`` logits.
+"""Chunked fused-linear losses: ``lm_head`` matmul + loss without materialising ``(N, V)`` logits.
 
-Design after Liger-Kernel's chunked losses (``FlexChunkLoss``): inputs are last hidden states ``(N, H)``
-and the ``lm_head`` weight ``(V, H)`` (+ optional bias ``(V,)``); rows are processed ``chunk_size`` at a
-time so peak extra memory is about one ``(chunk, V)`` block (plus its float32 softmax temporaries), never
-``(N, V)``.
+Inputs are last hidden states ``(N, H)`` and the ``lm_head`` weight ``(V, H)`` (+ optional bias ``(V,)``); rows
+are processed ``chunk_size`` at a time by :func:`crf_distill.head_scores`, so peak extra memory is about one
+``(chunk, V)`` block (plus its float32 temporaries), in the forward and in the backward, never ``(N, V)``.
 
-* :func:`chunked_token_logprobs` — per-token log-probs of labels (for CE, DPO, SimPO, IS ratios). A custom
-  autograd function: forward keeps only the ``(N,)`` logsumexp; backward recomputes each chunk's logits
-  (``∂lp/∂z = onehot(y) − softmax(z)``). Output is an ordinary differentiable ``(N,)`` tensor.
+* :func:`chunked_token_logprobs` — per-token log-probs of labels (for CE, DPO, SimPO, IS ratios).
 * :func:`chunked_fused_loss` — several token-decomposable terms (CE, generalised JSD, KL, TAID,
-  Entropy-OPD: pass their ``*_per_token`` functions) sharing one chunked lm_head pass. Gradients w.r.t.
-  hidden states, weight and bias are computed chunk by chunk *inside forward* (Liger style) and scaled by
-  the upstream gradient in backward, so the returned total must be used linearly (weighted sums are fine;
-  double backward is not supported). :func:`chunked_distillation_loss` is its one-term token-mean form.
+  Entropy-OPD: pass their ``*_per_token`` functions) sharing one chunked lm_head pass; returns the weighted
+  total and each term's value. :func:`chunked_distillation_loss` is its one-term token-mean form.
 
 Normalisation: ``chunked_distillation_loss`` is ``Σ_rows ℓ_r·m_r / D`` with ``D = Σ m`` (token mean) unless
 ``num_items`` is given, identical to :func:`crf_distill.aggregate` with ``mode="token_mean"``.
@@ -26,7 +21,8 @@ from typing import Any
 
 import torch
 
-from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask
+from crf_distill._checks import check_float_tensor, check_mask
+from crf_distill.head_scores import RowTerm, head_logits, head_scores
 from crf_distill.logprobs import compute_dtype
 
 __all__ = [
@@ -40,21 +36,6 @@ __all__ = [
 
 PerTokenLoss = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
 """``fn(student_logits (n, V), teacher_logits (n, V) or None, rows (n,) index tensor) -> (n,)``."""
-
-
-def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    dtype = compute_dtype(h)
-    z = h.to(dtype) @ w.to(dtype).t()
-    return z if b is None else z + b.to(dtype)
-
-
-def _head_grad_buffers(
-    weight: torch.Tensor, need_w: bool, need_b: bool, dtype: torch.dtype
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Zeroed accumulators in ``dtype`` for the lm_head weight ``(V, H)`` and bias ``(V,)`` grads, or ``None``."""
-    grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-    grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
-    return grad_w, grad_b
 
 
 def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefix: str = "") -> None:
@@ -74,64 +55,6 @@ def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _check_chunk(chunk_size: int) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
-
-
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        labels: torch.Tensor,
-        chunk_size: int,
-    ) -> torch.Tensor:
-        n = hidden.shape[0]
-        dtype = compute_dtype(hidden)
-        out = torch.empty(n, dtype=dtype, device=hidden.device)
-        lse = torch.empty(n, dtype=dtype, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, min(start + chunk_size, n))
-            z = _linear(hidden[rows], weight, bias)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            out[rows] = z.gather(-1, labels[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
-            del z
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.chunk_size = chunk_size
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dtype = lse.dtype
-        grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
-        grad_w, grad_b = _head_grad_buffers(weight, need_w, need_b, dtype)
-        w32 = weight.to(dtype)
-        n = hidden.shape[0]
-        for start in range(0, n, ctx.chunk_size):
-            rows = slice(start, min(start + ctx.chunk_size, n))
-            h = hidden[rows].to(dtype)
-            z = _linear(h, weight, bias if ctx.has_bias else None)
-            g = grad_out[rows].to(dtype)
-            # ∂lp/∂z = onehot(y) − softmax(z); reuse z's storage for the gradient block.
-            z.sub_(lse[rows].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
-            z.scatter_add_(-1, labels[rows].unsqueeze(-1), g.unsqueeze(-1))
-            if grad_h is not None:
-                grad_h[rows] = z @ w32
-            if grad_w is not None:
-                grad_w.addmm_(z.t(), h)
-            if grad_b is not None:
-                grad_b.add_(z.sum(0))
-            del z
-        return (
-            None if grad_h is None else grad_h.to(hidden.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-            None,
-            None,
-        )
 
 
 def chunked_token_logprobs(
@@ -154,14 +77,12 @@ def chunked_token_logprobs(
     Returns:
         ``(N,)`` float32 (float64 for float64 hidden) log-probs, differentiable w.r.t. hidden/weight/bias.
     """
-    _check_head(hidden, weight, bias)
     _check_chunk(chunk_size)
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"`labels` must be a torch.Tensor of token ids, got {type(labels).__name__}")
     ignored = labels == ignore_index if ignore_index is not None else torch.zeros_like(labels, dtype=torch.bool)
     safe = torch.where(ignored, torch.zeros_like(labels), labels)
-    check_index_tensor("labels", safe, shape=hidden.shape[:1], upper=weight.shape[0])
-    lp = _ChunkedTokenLogprobs.apply(hidden, weight, bias, safe.long(), chunk_size)
+    lp = head_scores(hidden, weight, safe, bias=bias, chunk_size=chunk_size).logprobs
     return torch.where(ignored, torch.zeros((), dtype=lp.dtype, device=lp.device), lp)
 
 
@@ -181,74 +102,6 @@ class ChunkTerm:
     weights: torch.Tensor
     scale: float = 1.0
     needs_teacher: bool = True
-
-
-class _ChunkedFused(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        teacher_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None,
-        terms: Sequence[ChunkTerm],
-        chunk_size: int,
-        values_out: list[torch.Tensor],
-    ) -> torch.Tensor:
-        n = hidden.shape[0]
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dtype = compute_dtype(hidden)
-        grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        grad_w, grad_b = _head_grad_buffers(weight, need_w, need_b, dtype)
-        w_leaf = weight.detach().requires_grad_(need_w)
-        b_leaf = None if bias is None else bias.detach().requires_grad_(need_b)
-        total = torch.zeros((), dtype=dtype, device=hidden.device)
-        values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
-        for start in range(0, n, chunk_size):
-            stop = min(start + chunk_size, n)
-            selected = [torch.nonzero(term.weights[start:stop]).flatten() for term in terms]
-            if all(sel.numel() == 0 for sel in selected):
-                continue
-            h = hidden[start:stop].detach().requires_grad_(need_h)
-            with torch.enable_grad():
-                z = _linear(h, w_leaf, b_leaf)
-                chunk_loss = torch.zeros((), dtype=dtype, device=hidden.device)
-                for k, (term, sel) in enumerate(zip(terms, selected, strict=True)):
-                    if sel.numel() == 0:
-                        continue
-                    rows = sel + start
-                    teacher = None
-                    if term.needs_teacher:
-                        assert teacher_logits_fn is not None
-                        with torch.no_grad():
-                            teacher = teacher_logits_fn(rows)
-                    w_rows = term.weights[rows].to(dtype)
-                    student = z if sel.numel() == stop - start else z[sel]  # no copy when every row is used
-                    value = (term.per_token(student, teacher, rows) * w_rows).sum()
-                    values[k] += value.detach()
-                    chunk_loss = chunk_loss + term.scale * value
-                wrt = [x for x, need in ((h, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need and x is not None]
-                grads = list(torch.autograd.grad(chunk_loss, wrt)) if wrt and chunk_loss.requires_grad else []
-            total += chunk_loss.detach()
-            if grads and grad_h is not None:
-                grad_h[start:stop] = grads.pop(0).to(hidden.dtype)
-            if grads and grad_w is not None:
-                grad_w += grads.pop(0)
-            if grads and grad_b is not None:
-                grad_b += grads.pop(0)
-            del z, chunk_loss
-        values_out.extend(values)
-        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b)))
-        ctx.present = (grad_h is not None, grad_w is not None, grad_b is not None)
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        result: list[torch.Tensor | None] = []
-        for grad, present, dtype in zip(ctx.saved_tensors, ctx.present, ctx.dtypes, strict=True):
-            result.append((grad * grad_out.to(grad.dtype)).to(dtype) if present and dtype is not None else None)
-        return (*result, None, None, None, None)
 
 
 TeacherFn = Callable[[torch.Tensor], torch.Tensor]
@@ -287,7 +140,7 @@ def _teacher_source(
         )
     th, tw = teacher_hidden.detach(), teacher_weight.detach()
     tb = None if teacher_bias is None else teacher_bias.detach()
-    return lambda rows: _linear(th[rows], tw, tb)
+    return lambda rows: head_logits(th[rows], tw, tb)
 
 
 def chunked_fused_loss(
@@ -303,13 +156,12 @@ def chunked_fused_loss(
     teacher_fn: TeacherFn | None = None,
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Several token-decomposable losses sharing one chunked lm_head pass (Liger-style, grads in forward).
+    """Several token-decomposable losses sharing one chunked lm_head pass.
 
     Computes ``total = Σ_k scale_k · Σ_r weights_k[r] · ℓ_k(r)`` where ``ℓ_k(r) = term_k.per_token`` on the
-    logits of row ``r`` (``h_r W^T + b``). Each chunk's logits are computed once and shared by all terms, so
-    a composed loss (e.g. CE on every token + a distillation term on the response tokens) costs one forward
-    and one backward matmul pair. Teacher logits are computed (``no_grad``) only for rows where a term that
-    needs them has non-zero weight.
+    logits of row ``r`` (``h_r W^T + b``). Each chunk's logits are computed once and shared by all terms (and
+    recomputed once in the backward, see :func:`crf_distill.head_scores`). Teacher logits are computed
+    (``no_grad``) only for rows where a term that needs them has non-zero weight.
 
     Args:
         hidden: ``(N, H)`` student last hidden states. weight/bias: student lm_head ``(V, H)`` / ``(V,)``.
@@ -320,8 +172,8 @@ def chunked_fused_loss(
         chunk_size: rows per chunk.
 
     Returns:
-        ``(total, values)``: ``total`` is a differentiable 0-d tensor (gradients w.r.t. hidden/weight/bias;
-        use it linearly, no double backward); ``values[k]`` is the detached ``Σ_r weights_k[r]·ℓ_k(r)``.
+        ``(total, values)``: ``total`` is a differentiable 0-d tensor (gradients w.r.t. hidden/weight/bias; no
+        double backward); ``values[k]`` is the detached ``Σ_r weights_k[r]·ℓ_k(r)``.
     """
     _check_head(hidden, weight, bias)
     _check_chunk(chunk_size)
@@ -335,9 +187,27 @@ def chunked_fused_loss(
         raise ValueError(
             "a term needs the teacher: pass `teacher_logits` (N, V) or `teacher_hidden` + `teacher_weight`"
         )
-    values: list[torch.Tensor] = []
-    total: torch.Tensor = _ChunkedFused.apply(hidden, weight, bias, source, list(terms), chunk_size, values)
-    return total, values
+    dtype = compute_dtype(hidden)
+    row_terms = [RowTerm(_with_teacher(term, source), active=term.weights != 0) for term in terms]
+    labels = torch.zeros(n, dtype=torch.long, device=hidden.device)
+    scores = head_scores(hidden, weight, labels, bias=bias, terms=row_terms, chunk_size=chunk_size)
+    parts = [(value * term.weights.to(dtype)).sum() for term, value in zip(terms, scores.values, strict=True)]
+    total = torch.stack([term.scale * part for term, part in zip(terms, parts, strict=True)]).sum()
+    return total, [part.detach() for part in parts]
+
+
+def _with_teacher(term: ChunkTerm, source: TeacherFn | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``term.per_token`` as a row function: the teacher's logits of the same rows are looked up (no grad)."""
+
+    def fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        teacher = None
+        if term.needs_teacher:
+            assert source is not None
+            with torch.no_grad():
+                teacher = source(rows)
+        return term.per_token(logits, teacher, rows)
+
+    return fn
 
 
 def _token_mean_weights(mask: torch.Tensor, dtype: torch.dtype, num_items: float | torch.Tensor | None) -> torch.Tensor:

@@ -66,11 +66,15 @@ def build_tiny_causal_lm(
     num_heads: int = 4,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = False,
 ) -> PreTrainedModel:
     """Build a randomly initialised decoder-only LM whose vocabulary matches ``tokenizer``.
 
     ``architecture`` is ``"llama"`` or ``"qwen2"``. Weights are drawn under ``torch.manual_seed(seed)``
-    so two calls with the same arguments give identical models.
+    so two calls with the same arguments give identical models. ``vocab_size`` (default ``len(tokenizer)``)
+    may be larger than the tokenizer, to reproduce a real vocabulary's memory (Qwen's 151,936); ids past the
+    tokenizer decode to nothing.
     """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -80,11 +84,14 @@ def build_tiny_causal_lm(
     for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers), ("num_heads", num_heads)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    vocab = len(tokenizer) if vocab_size is None else vocab_size
+    if not isinstance(vocab, int) or vocab < len(tokenizer):
+        raise ValueError(f"vocab_size must be an int >= len(tokenizer)={len(tokenizer)}, got {vocab_size!r}")
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     config_cls = LlamaConfig if architecture == "llama" else Qwen2Config
     config = config_cls(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
@@ -94,7 +101,7 @@ def build_tiny_causal_lm(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

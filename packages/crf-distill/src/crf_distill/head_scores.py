@@ -1,0 +1,308 @@
+"""Per-row scores of an LM head, with or without materialising the ``(N, V)`` logits.
+
+For ``N`` rows of last hidden states ``h`` (``(N, H)``), an lm_head ``W`` (``(V, H)``, optional bias ``b``) and a
+sampling temperature ``τ``, the logits of row ``r`` are ``z_r = (h_r Wᵀ + b) / τ``. :func:`head_scores` returns,
+per row, every quantity a training step needs from them:
+
+* ``logprobs[r] = z_r[y_r] − logsumexp(z_r)`` (the label's log-probability; GRPO, DPO, CE, IS ratios);
+* ``entropy[r] = logsumexp(z_r) − Σ_v softmax(z_r)_v z_r,v`` (TRL's entropy, nats), when asked;
+* ``values[k][r] = term_k.fn(z_r, r)`` for any per-row function (a divergence to a teacher, a TAID or
+  Entropy-OPD target, ...), 0 on rows the term leaves out.
+
+Every output is an ordinary differentiable ``(N,)`` tensor, so the caller combines them with any
+(non-linear, batch-coupled) loss math, e.g. TRL's GRPO normalisation, and each loss part keeps its own gradient.
+
+Two executions with the same math:
+
+* ``chunk_size=None``: materialised, plain autograd through ``(N, V)`` logits (small vocabularies).
+* ``chunk_size=n``: rows are processed ``n`` at a time in a custom autograd function. The forward keeps only
+  ``(N,)`` statistics (logsumexp, entropy); the backward recomputes one chunk's logits at a time and turns
+  the upstream gradients into ``∂L/∂z`` (``g_lp·(onehot(y) − p) − g_H·p·(log p + H)`` plus each term's
+  vector-Jacobian product), then ``∂L/∂h = (∂L/∂z) W / τ`` and ``∂L/∂W += (∂L/∂z)ᵀ h / τ``. At most one chunk of
+  logits (and its temporaries) is alive at a time, in the forward and in the backward (the recompute
+  strategy of TRL's ``ChunkedLogProbFunction`` and of activation checkpointing; Liger computes the
+  gradient inside the forward, which needs the loss to be a fixed linear function of the rows).
+
+Half-precision heads multiply in their own dtype and upcast the logits to float32; float64 stays float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask
+from crf_distill.logprobs import compute_dtype
+
+__all__ = ["HeadScores", "RowFn", "RowTerm", "head_logits", "head_scores"]
+
+RowFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``fn(logits (n, V), rows (n,) long) -> (n,)``: a per-row function of temperature-scaled logits; ``rows``
+index the ``N`` rows (use them to look up per-row extras such as teacher logits)."""
+
+
+@dataclass(frozen=True)
+class RowTerm:
+    """A per-row function scored in the same pass as the label log-probs.
+
+    Attributes:
+        fn: see :data:`RowFn`. It must be differentiable w.r.t. the logits (it is re-run under autograd in the
+            chunked backward) and deterministic given its inputs.
+        active: optional ``(N,)`` bool/0-1 mask; rows outside it are not evaluated and score 0.
+    """
+
+    fn: RowFn
+    active: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class HeadScores:
+    """What :func:`head_scores` returns; every tensor is ``(N,)`` and differentiable."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    values: tuple[torch.Tensor, ...]
+
+
+def head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """``(h Wᵀ + b) / τ`` in float32 (float64 for float64 inputs); half-precision heads multiply natively."""
+    dtype = compute_dtype(hidden)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        z = (hidden.to(weight.dtype) @ weight.t()).to(dtype)
+        if bias is not None:
+            z = z + bias.to(dtype)
+    else:
+        z = hidden.to(dtype) @ weight.to(dtype).t()
+        if bias is not None:
+            z = z + bias.to(dtype)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``lse − Σ_v softmax(z)_v z_v`` per row, without a second ``(n, V)`` product tensor."""
+    p = torch.exp(z - lse.unsqueeze(-1))
+    return lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+
+
+def _selected(active: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """Local indices of the active rows in ``[start, stop)``; ``None`` means all of them."""
+    if active is None:
+        return None
+    return torch.nonzero(active[start:stop]).flatten()
+
+
+class _ChunkedHeadScores(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        terms: tuple[RowTerm, ...],
+        want_entropy: bool,
+        temperature: float,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        n = hidden.shape[0]
+        dtype = compute_dtype(hidden)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)
+        logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
+        entropy = (torch.empty if want_entropy else torch.zeros)(n, dtype=dtype, device=hidden.device)
+        values = [torch.zeros(n, dtype=dtype, device=hidden.device) for _ in terms]
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            z = head_logits(hidden[start:stop], weight, bias, temperature)
+            lse[start:stop] = torch.logsumexp(z, dim=-1)
+            logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse[start:stop]
+            if want_entropy:
+                entropy[start:stop] = _entropy(z, lse[start:stop])
+            rows = torch.arange(start, stop, device=hidden.device)
+            for term, out in zip(terms, values, strict=True):
+                sel = _selected(term.active, start, stop)
+                if sel is None:
+                    out[start:stop] = term.fn(z, rows).to(dtype)
+                elif sel.numel():
+                    out[start + sel] = term.fn(z[sel], rows[sel]).to(dtype)
+            del z
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.terms = terms
+        ctx.want_entropy = want_entropy
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        outputs = [logprobs, entropy, *values]
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        g_lp, g_h, *g_terms = grads
+        if not ctx.want_entropy:
+            g_h = None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dtype = lse.dtype
+        n = hidden.shape[0]
+        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b and bias is not None else None
+        )
+        live_terms = [(t, g) for t, g in zip(ctx.terms, g_terms, strict=True) if g is not None]
+        if g_lp is None and g_h is None and not live_terms:
+            return (None,) * 8
+        w_mm = weight if weight.dtype in (torch.float16, torch.bfloat16) else weight.to(dtype)
+        for start in range(0, n, ctx.chunk_size):
+            stop = min(start + ctx.chunk_size, n)
+            h = hidden[start:stop]
+            z = head_logits(h, weight, bias, ctx.temperature)
+            rows = torch.arange(start, stop, device=hidden.device)
+            dz = _term_grads(z, rows, live_terms, start, stop)  # ∂(Σ_k g_k·term_k)/∂z, or None
+            if g_lp is not None or g_h is not None:
+                log_p = z.sub_(lse[start:stop].unsqueeze(-1))  # z is not needed any more: reuse its storage
+                p = torch.exp(log_p)
+                a = (
+                    torch.zeros(stop - start, dtype=dtype, device=z.device)
+                    if g_lp is None
+                    else g_lp[start:stop].to(dtype)
+                )
+                if g_h is not None:  # −g_H·p·(log p + H) − g_lp·p, in log_p's storage
+                    log_p.add_(entropy[start:stop].unsqueeze(-1)).mul_(g_h[start:stop].to(dtype).unsqueeze(-1))
+                    log_p.add_(a.unsqueeze(-1)).mul_(p).neg_()
+                else:
+                    log_p.copy_(p).mul_(-a.unsqueeze(-1))
+                del p
+                log_p.scatter_add_(-1, labels[start:stop].unsqueeze(-1), a.unsqueeze(-1))
+                dz = log_p if dz is None else dz.add_(log_p)
+            if dz is None:  # nothing flows back through this chunk
+                continue
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)
+            if grad_h is not None:
+                if w_mm.dtype != dtype:
+                    grad_h[start:stop] = (dz.to(w_mm.dtype) @ w_mm).to(dtype)
+                else:
+                    grad_h[start:stop] = dz @ w_mm
+            if grad_w is not None:
+                grad_w.addmm_(dz.t(), h.to(dtype))
+            if grad_b is not None:
+                grad_b.add_(dz.sum(0))
+            del z, dz
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _term_grads(
+    z: torch.Tensor,
+    rows: torch.Tensor,
+    live: Sequence[tuple[RowTerm, torch.Tensor]],
+    start: int,
+    stop: int,
+) -> torch.Tensor | None:
+    """``Σ_k ∂(g_k · term_k(z))/∂z`` for one chunk (autograd on a detached copy of the chunk's logits)."""
+    total: torch.Tensor | None = None
+    for term, grad in live:
+        sel = _selected(term.active, start, stop)
+        if sel is not None and sel.numel() == 0:
+            continue
+        with torch.enable_grad():
+            leaf = z.detach().requires_grad_(True)
+            picked = leaf if sel is None else leaf[sel]
+            g = grad[start:stop] if sel is None else grad[start + sel]
+            value = term.fn(picked, rows if sel is None else rows[sel])
+            (dz,) = torch.autograd.grad((value * g.to(value.dtype)).sum(), leaf, allow_unused=True)
+        if dz is not None:
+            total = dz if total is None else total.add_(dz)
+    return total
+
+
+def _check_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    terms: Sequence[RowTerm],
+    temperature: float,
+    chunk_size: int | None,
+) -> None:
+    check_float_tensor("hidden", hidden, ndim=2)
+    check_float_tensor("weight", weight, ndim=2)
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"`weight` must be (V, H={hidden.shape[1]}) like nn.Linear.weight of the lm_head, got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_float_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"`bias` must be (V={weight.shape[0]},), got {tuple(bias.shape)}")
+    check_index_tensor("labels", labels, shape=hidden.shape[:1], upper=weight.shape[0])
+    for k, term in enumerate(terms):
+        if not isinstance(term, RowTerm):
+            raise TypeError(f"`terms[{k}]` must be a RowTerm, got {type(term).__name__}")
+        if term.active is not None:
+            check_mask(f"terms[{k}].active", term.active, hidden.shape[:1])
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"`temperature` must be a float > 0, got {temperature!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"`chunk_size` must be a positive int (rows per chunk) or None, got {chunk_size!r}")
+
+
+def head_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    terms: Sequence[RowTerm] = (),
+    entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> HeadScores:
+    """Label log-probs, entropies and per-row term values of ``z = (h Wᵀ + b) / τ`` (see the module docstring).
+
+    Args:
+        hidden: ``(N, H)`` last hidden states (flatten ``(B, T, H)`` first). weight: ``(V, H)``; bias: ``(V,)``.
+        labels: ``(N,)`` token ids in ``[0, V)`` (the token each row predicts).
+        terms: per-row functions scored in the same pass.
+        entropy: also return the per-row entropy (differentiable).
+        temperature: ``τ > 0``, applied to the logits every output sees.
+        chunk_size: rows per chunk; ``None`` materialises the ``(N, V)`` logits.
+
+    Returns:
+        :class:`HeadScores`; ``logprobs``/``entropy``/``values`` in float32 (float64 for float64 hidden).
+    """
+    terms = tuple(terms)
+    _check_inputs(hidden, weight, bias, labels, terms, temperature, chunk_size)
+    labels = labels.long()
+    if chunk_size is None:
+        z = head_logits(hidden, weight, bias, temperature)
+        lse = torch.logsumexp(z, dim=-1)
+        logprobs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+        ent = _entropy(z, lse) if entropy else None
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        values = []
+        for term in terms:
+            if term.active is None:
+                values.append(term.fn(z, rows).to(z.dtype))
+                continue
+            sel = torch.nonzero(term.active).flatten()
+            out = torch.zeros(hidden.shape[0], dtype=z.dtype, device=z.device)
+            values.append(out.index_put((sel,), term.fn(z[sel], rows[sel]).to(z.dtype)) if sel.numel() else out)
+        return HeadScores(logprobs, ent, tuple(values))
+    out = _ChunkedHeadScores.apply(hidden, weight, bias, labels, terms, entropy, float(temperature), chunk_size)
+    return HeadScores(out[0], out[1] if entropy else None, tuple(out[2:]))
