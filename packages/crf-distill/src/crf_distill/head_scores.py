@@ -37,7 +37,7 @@ import torch
 from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask
 from crf_distill.logprobs import compute_dtype
 
-__all__ = ["HeadScores", "RowFn", "RowTerm", "head_logits", "head_scores"]
+__all__ = ["HeadScores", "RowFn", "RowTerm", "head_logits", "head_scores", "logit_scores"]
 
 RowFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``fn(logits (n, V), rows (n,) long) -> (n,)``: a per-row function of temperature-scaled logits; ``rows``
@@ -290,19 +290,38 @@ def head_scores(
     _check_inputs(hidden, weight, bias, labels, terms, temperature, chunk_size)
     labels = labels.long()
     if chunk_size is None:
-        z = head_logits(hidden, weight, bias, temperature)
-        lse = torch.logsumexp(z, dim=-1)
-        logprobs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-        ent = _entropy(z, lse) if entropy else None
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        values = []
-        for term in terms:
-            if term.active is None:
-                values.append(term.fn(z, rows).to(z.dtype))
-                continue
-            sel = torch.nonzero(term.active).flatten()
-            out = torch.zeros(hidden.shape[0], dtype=z.dtype, device=z.device)
-            values.append(out.index_put((sel,), term.fn(z[sel], rows[sel]).to(z.dtype)) if sel.numel() else out)
-        return HeadScores(logprobs, ent, tuple(values))
+        return _scores_of(head_logits(hidden, weight, bias, temperature), labels, terms, entropy)
     out = _ChunkedHeadScores.apply(hidden, weight, bias, labels, terms, entropy, float(temperature), chunk_size)
     return HeadScores(out[0], out[1] if entropy else None, tuple(out[2:]))
+
+
+def logit_scores(
+    logits: torch.Tensor, labels: torch.Tensor, *, terms: Sequence[RowTerm] = (), entropy: bool = False
+) -> HeadScores:
+    """:func:`head_scores` of already materialised ``(N, V)`` logits (models whose head cannot be separated,
+    e.g. with logit soft-capping); the logits must already include any temperature."""
+    check_float_tensor("logits", logits, ndim=2)
+    check_index_tensor("labels", labels, shape=logits.shape[:1], upper=logits.shape[1])
+    terms = tuple(terms)
+    for k, term in enumerate(terms):
+        if not isinstance(term, RowTerm):
+            raise TypeError(f"`terms[{k}]` must be a RowTerm, got {type(term).__name__}")
+        if term.active is not None:
+            check_mask(f"terms[{k}].active", term.active, logits.shape[:1])
+    return _scores_of(logits.to(compute_dtype(logits)), labels.long(), terms, entropy)
+
+
+def _scores_of(z: torch.Tensor, labels: torch.Tensor, terms: tuple[RowTerm, ...], entropy: bool) -> HeadScores:
+    """The materialised path: plain autograd through ``(N, V)`` logits."""
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    rows = torch.arange(z.shape[0], device=z.device)
+    values = []
+    for term in terms:
+        if term.active is None:
+            values.append(term.fn(z, rows).to(z.dtype))
+            continue
+        sel = torch.nonzero(term.active).flatten()
+        out = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+        values.append(out.index_put((sel,), term.fn(z[sel], rows[sel]).to(z.dtype)) if sel.numel() else out)
+    return HeadScores(logprobs, _entropy(z, lse) if entropy else None, tuple(values))

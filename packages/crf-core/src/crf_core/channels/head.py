@@ -1,0 +1,226 @@
+"""The policy's LM head, scored token by token: decoder states once, then the head chunked or materialised.
+
+``LMHead`` splits a Hugging Face causal LM into its decoder (``get_decoder()``) and its linear ``lm_head``
+(``get_output_embeddings()``), so a training step can run the decoder once and push the hidden states through
+the head in chunks of rows (``crf_distill.head_scores``): no ``(B, T, V)`` logits tensor ever exists. Models
+whose head cannot be separated (no linear ``lm_head``, logit soft-capping or scaling, a PEFT adapter on the
+head) are scored from their full logits instead, and ``LMHead.reason`` says why.
+
+When to chunk is a :class:`ChunkPlan`: ``auto`` (the default) chunks whenever the logits of the scored rows
+would take more than ``auto_threshold_mb`` (64 MiB) in float32, e.g. 512 tokens at a 32k vocabulary or 110
+tokens at Qwen's 151,936; below that the materialised path is faster (no recompute in the backward) and its
+memory is small beside the optimizer state. Chunks hold ``chunk_budget_mb`` (8 MiB) of logits each (13 rows
+at 151,936) unless ``chunk_size`` fixes the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from crf_distill import HeadScores, RowTerm, head_logits, head_scores, logit_scores
+
+__all__ = ["ChunkPlan", "HeadStates", "LMHead", "RowSource", "hidden_source", "logits_source"]
+
+MIB = 1 << 20
+ChunkMode = Literal["auto", "on", "off"]
+
+RowSource = Callable[[torch.Tensor], torch.Tensor]
+"""``source(rows (n,) long) -> (n, V)`` logits for rows of a scored layout (no grad), e.g. a teacher's."""
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """When and how finely the LM head runs in chunks (see the module docstring).
+
+    Attributes:
+        mode: ``"auto"``, ``"on"`` (always chunk) or ``"off"`` (always materialise the logits).
+        chunk_size: rows per chunk; ``None`` sizes chunks to ``chunk_budget_mb`` of float32 logits.
+        chunk_budget_mb: logits per chunk, in MiB, when ``chunk_size`` is None.
+        auto_threshold_mb: in ``auto`` mode, chunk when the full logits would exceed this many MiB.
+    """
+
+    mode: ChunkMode = "auto"
+    chunk_size: int | None = None
+    chunk_budget_mb: float = 8.0
+    auto_threshold_mb: float = 64.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "on", "off"):
+            raise ValueError(f"chunking mode must be 'auto', 'on' or 'off', got {self.mode!r}")
+        size = self.chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+            raise ValueError(f"chunk_size must be a positive int (rows per chunk) or None, got {size!r}")
+        for name in ("chunk_budget_mb", "auto_threshold_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+    def rows(self, n_rows: int, vocab: int) -> int | None:
+        """Rows per chunk for scoring ``n_rows`` rows over ``vocab`` tokens; ``None`` materialises."""
+        if self.mode == "off" or (self.mode == "auto" and n_rows * vocab * 4 <= self.auto_threshold_mb * MIB):
+            return None
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return max(1, int(self.chunk_budget_mb * MIB) // (vocab * 4))
+
+
+@dataclass(frozen=True)
+class HeadStates:
+    """What the model produced for ``(B, T)`` tokens: decoder hidden states, or full logits (``is_logits``)."""
+
+    tensor: torch.Tensor
+    is_logits: bool
+
+
+def _separation(causal_lm: Any) -> tuple[Any, torch.nn.Linear | None, str | None]:
+    """``(decoder, head, None)`` or ``(None, None, reason)`` for a causal LM."""
+    get_head = getattr(causal_lm, "get_output_embeddings", None)
+    get_decoder = getattr(causal_lm, "get_decoder", None)
+    head = get_head() if callable(get_head) else None
+    if not callable(get_decoder) or head is None:
+        return None, None, "the model has no get_decoder()/get_output_embeddings() (not a Hugging Face causal LM)"
+    if type(head) is not torch.nn.Linear:
+        return None, None, f"its lm_head is a {type(head).__name__}, not a plain nn.Linear (e.g. a PEFT adapter on it)"
+    config = getattr(causal_lm, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        return None, None, "it soft-caps its logits (final_logit_softcapping)"
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        if getattr(text, name, None) not in (None, 1, 1.0):
+            return None, None, f"it scales its logits ({name}={getattr(text, name)})"
+    return get_decoder(), head, None
+
+
+class LMHead:
+    """A causal LM seen as decoder + linear head, scored per token (see the module docstring).
+
+    Args:
+        model: what the training step calls: the model itself or a distributed wrapper of it (DDP), whose
+            forward is then entered so its gradient hooks run.
+        plan: the :class:`ChunkPlan`.
+        unwrap: returns the model inside a wrapper (``accelerator.unwrap_model``); identity by default.
+        temperature: logits are divided by it (TRL's sampling temperature).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        plan: ChunkPlan | None = None,
+        *,
+        unwrap: Callable[[Any], Any] | None = None,
+        temperature: float = 1.0,
+    ) -> None:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        self.model = model
+        self.plan = plan or ChunkPlan()
+        self.temperature = float(temperature)
+        self.inner = unwrap(model) if unwrap is not None else model
+        get_base = getattr(self.inner, "get_base_model", None)  # PEFT
+        self.causal_lm = get_base() if callable(get_base) else self.inner
+        self.decoder, self._head, self.reason = _separation(self.causal_lm)
+
+    @property
+    def separable(self) -> bool:
+        """Whether the decoder and a plain linear head can be run apart (else full logits are used)."""
+        return self._head is not None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        assert self._head is not None, self.reason
+        return self._head.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        assert self._head is not None, self.reason
+        return self._head.bias
+
+    def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> HeadStates:
+        """Run the model on ``(B, T)`` tokens: decoder states if the head is separable, else full logits."""
+        if self.separable:
+            return HeadStates(self._call(self._decoder_states, input_ids, attention_mask), is_logits=False)
+        return HeadStates(self._call(self._full_logits, input_ids, attention_mask), is_logits=True)
+
+    def _decoder_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = getattr(out, "last_hidden_state", None)
+        return out[0] if hidden is None else hidden
+
+    def _full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        logits = getattr(out, "logits", None)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            raise TypeError(f"the model must return (B, T, V) logits, got {type(out).__name__}")
+        return logits
+
+    def _call(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``fn(*args)``, entered through the wrapper's forward when the model is wrapped (DDP)."""
+        if self.model is self.inner:
+            return fn(*args)
+        with _forward_replaced(self.inner, fn):
+            out: torch.Tensor = self.model(*args)
+        return out
+
+    def score(
+        self,
+        rows: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        is_logits: bool,
+        terms: Sequence[RowTerm] = (),
+        entropy: bool = False,
+    ) -> HeadScores:
+        """Label log-probs (and entropies, term values) of ``(N, X)`` row states predicting ``labels`` ``(N,)``."""
+        if is_logits:
+            z = rows if self.temperature == 1.0 else rows / self.temperature
+            return logit_scores(z, labels, terms=terms, entropy=entropy)
+        chunk = self.plan.rows(rows.shape[0], self.weight.shape[0])
+        return head_scores(
+            rows,
+            self.weight,
+            labels,
+            bias=self.bias,
+            terms=terms,
+            entropy=entropy,
+            temperature=self.temperature,
+            chunk_size=chunk,
+        )
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """No-grad ``(n, V)`` logits of ``(n, H)`` states (temperature applied), for teacher-like sources."""
+        with torch.no_grad():
+            return head_logits(rows, self.weight, self.bias, self.temperature)
+
+
+@contextmanager
+def _forward_replaced(module: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Make ``module(...)`` run ``fn`` for the duration (an instance-level forward, restored afterwards)."""
+    had = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    module.forward = fn  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = previous  # type: ignore[method-assign]
+        else:
+            del module.forward
+
+
+def logits_source(logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowSource:
+    """A :data:`RowSource` over precomputed ``(M, V)`` logits; ``index`` maps scored rows to their rows."""
+    fixed = logits.detach()
+    return lambda rows: fixed[index(rows)]
+
+
+def hidden_source(head: LMHead, hidden: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowSource:
+    """A :data:`RowSource` projecting ``(M, H)`` states (or ``(M, V)`` logits of a non-separable model) on demand."""
+    fixed = hidden.detach()
+    if not head.separable:
+        return lambda rows: fixed[index(rows)] / head.temperature
+    return lambda rows: head.project(fixed[index(rows)])

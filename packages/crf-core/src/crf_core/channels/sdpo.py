@@ -1,0 +1,180 @@
+"""SDPO self-distillation channel: a divergence from the student to its feedback-conditioned self-teacher.
+
+Paper: Hübotter et al., "Self-Distillation Policy Optimization" (arXiv 2601.20802); reference code
+lasgroup/SDPO ``compute_self_distillation_loss``. Per completion token ``c`` of sample ``b`` with student logits
+``S`` (the policy on ``[prompt ; completion]``) and teacher logits ``T`` (the same model, or its EMA copy,
+under no-grad on ``[reprompt ; completion]``), both at the sampling temperature::
+
+    ℓ_bc = D(S_bc, sg(T_bc)) · w_bc,    L = Σ_bc m_bc ℓ_bc / Σ_bc m_bc
+
+* ``D`` is the generalised JSD with ``alpha`` (0 forward KL, 1 reverse KL; ``crf_distill.generalized_jsd``), on
+  the full vocabulary or the student's top-k plus a tail bucket; with ``wrapper="taid"`` the target is TAID's
+  logit-space interpolation ``softmax((1 − t)·sg(A) + t·T)`` between an anchor ``A`` (the current student, or a
+  given step-0 snapshot) and the teacher (t = 1 is plain SDPO); with ``wrapper="entropy_opd"`` ``D`` is
+  Entropy-OPD's reverse KL plus forward KL where the teacher's entropy exceeds ``h_max``.
+* ``w_bc = min(exp(lp_bc − lp_old,bc), is_clip)`` is the detached truncated IS weight (1 on-policy; off when
+  ``is_clip`` is None).
+* ``m`` is the completion mask times the per-sample ``self_distillation_mask`` (samples with a teacher signal).
+
+The channel is one :class:`~crf_distill.RowTerm` scored in the same LM-head pass as the student's label
+log-probs (see ``crf_core.channels.head``), so it never needs its own ``(B, C, V)`` logits. Used unchanged by
+``compose_loss`` and by ``ComposerReplicationTrainer``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from crf_core.channels._validate import check_choice, check_number, check_optional_int, check_unit
+from crf_core.channels.head import RowSource
+from crf_distill import (
+    RowTerm,
+    entropy_opd_per_token,
+    generalized_jsd_per_token,
+    is_ratio_weight,
+    taid_target_logprobs,
+)
+
+__all__ = ["SDPO_WRAPPERS", "SDPOChannel", "SDPOConfig", "SDPOTargets"]
+
+SDPOWrapper = Literal["taid", "entropy_opd"]
+SDPO_WRAPPERS: tuple[str | None, ...] = (None, "taid", "entropy_opd")
+EntropyGate = Literal["hard", "sigmoid", "linear"]
+
+
+@dataclass(frozen=True)
+class SDPOConfig:
+    """The SDPO divergence and its wrappers (validated on construction).
+
+    Attributes:
+        alpha: generalised-JSD interpolation in [0, 1] (0 forward KL, 1 reverse KL; SDPO's 0.5).
+        top_k: distil on the student's top-k ids (full-vocabulary-normalised); None = full vocabulary.
+        add_tail: with top-k, add a tail bucket holding the remaining mass (else renormalise the top-k).
+        is_clip: cap of the detached truncated IS weight; None disables it.
+        wrapper: None, ``"taid"`` or ``"entropy_opd"``.
+        entropy_opd_h_max: teacher-entropy threshold in nats (required with ``entropy_opd``).
+        entropy_opd_gate: ``"hard"`` ``1[H > h_max]``, ``"sigmoid"`` ``σ(s·(H − h_max))`` or ``"linear"``
+            ``clamp(H / h_max, 0, 1)``.
+        entropy_opd_sharpness: ``s`` of the sigmoid gate.
+        entropy_opd_forward_weight: weight of the gated forward-KL term.
+    """
+
+    alpha: float = 0.5
+    top_k: int | None = None
+    add_tail: bool = True
+    is_clip: float | None = None
+    wrapper: SDPOWrapper | None = None
+    entropy_opd_h_max: float | None = None
+    entropy_opd_gate: EntropyGate = "hard"
+    entropy_opd_sharpness: float = 5.0
+    entropy_opd_forward_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_unit("sdpo_alpha", self.alpha)
+        check_optional_int("sdpo_top_k", self.top_k, low=1, none_means="the full vocabulary")
+        if not isinstance(self.add_tail, bool):
+            raise TypeError(f"sdpo_add_tail must be a bool, got {self.add_tail!r}")
+        if self.is_clip is not None:
+            check_number("sdpo_is_clip", self.is_clip, low=0.0, low_inclusive=False, none_means="disabled")
+        check_choice("sdpo_wrapper", self.wrapper, SDPO_WRAPPERS)
+        check_choice("entropy_opd_gate", self.entropy_opd_gate, ("hard", "sigmoid", "linear"))
+        check_number("entropy_opd_sharpness", self.entropy_opd_sharpness)
+        check_number("entropy_opd_forward_weight", self.entropy_opd_forward_weight, low=0.0)
+        if self.wrapper == "entropy_opd":
+            if self.entropy_opd_h_max is None:
+                raise ValueError(
+                    "sdpo_wrapper='entropy_opd' needs `entropy_opd_h_max`, the teacher-entropy threshold in nats above "
+                    "which forward KL is added (a tunable; e.g. 1.0)"
+                )
+            low = 0.0 if self.entropy_opd_gate == "hard" else -math.inf
+            check_number("entropy_opd_h_max", self.entropy_opd_h_max, low=low)
+            if self.entropy_opd_gate == "linear" and not self.entropy_opd_h_max > 0:
+                raise ValueError("entropy_opd_gate='linear' divides by `entropy_opd_h_max`, which must be > 0")
+        elif self.entropy_opd_h_max is not None:
+            raise ValueError(
+                "`entropy_opd_h_max` was given but sdpo_wrapper is not 'entropy_opd'; set it or drop h_max"
+            )
+
+
+@dataclass(frozen=True)
+class SDPOTargets:
+    """What one step's SDPO term reads besides the student logits.
+
+    Attributes:
+        teacher: teacher logits of each scored row (no grad).
+        taid_t: TAID's interpolation coefficient in [0, 1] (``wrapper="taid"`` only).
+        anchor: TAID anchor logits of each scored row; None anchors on the current detached student (paper).
+    """
+
+    teacher: RowSource
+    taid_t: float | None = None
+    anchor: RowSource | None = None
+
+
+class SDPOChannel:
+    """The SDPO channel (see the module docstring): a row term for the head pass, then its token mean."""
+
+    def __init__(self, config: SDPOConfig) -> None:
+        if not isinstance(config, SDPOConfig):
+            raise TypeError(f"config must be an SDPOConfig, got {type(config).__name__}")
+        self.config = config
+
+    def term(self, targets: SDPOTargets, active: torch.Tensor) -> RowTerm:
+        """The per-row divergence ``D(S_r, target_r)`` on the ``active`` ``(N,)`` rows (no IS weight, no mean)."""
+        cfg = self.config
+        if cfg.wrapper == "taid":
+            if targets.taid_t is None:
+                raise ValueError("sdpo_wrapper='taid' needs the TAID coefficient t of this step")
+            check_unit("taid t", targets.taid_t)
+        elif targets.taid_t is not None or targets.anchor is not None:
+            raise ValueError("a TAID coefficient or anchor was given but sdpo_wrapper is not 'taid'")
+
+        def divergence(student: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            target = targets.teacher(rows)
+            if cfg.wrapper == "taid":
+                assert targets.taid_t is not None
+                anchor = None if targets.anchor is None else targets.anchor(rows)
+                target = taid_target_logprobs(student, target, targets.taid_t, anchor_logits=anchor)
+            if cfg.wrapper == "entropy_opd":
+                assert cfg.entropy_opd_h_max is not None
+                return entropy_opd_per_token(
+                    student,
+                    target,
+                    h_max=cfg.entropy_opd_h_max,
+                    gate=cfg.entropy_opd_gate,
+                    sharpness=cfg.entropy_opd_sharpness,
+                    forward_weight=cfg.entropy_opd_forward_weight,
+                    top_k=cfg.top_k,
+                    add_tail=cfg.add_tail,
+                )
+            return generalized_jsd_per_token(student, target, alpha=cfg.alpha, top_k=cfg.top_k, add_tail=cfg.add_tail)
+
+        return RowTerm(divergence, active=active)
+
+    def loss(
+        self,
+        values: torch.Tensor,
+        weights: torch.Tensor,
+        logprobs: torch.Tensor | None = None,
+        old_logprobs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``Σ_r m_r·w_r·D_r / Σ_r m_r`` over rows (0 when no row has weight).
+
+        Args:
+            values: ``(N,)`` the term's per-row divergences. weights: ``(N,)`` the mask ``m`` (>= 0).
+            logprobs: ``(N,)`` student log-probs of the sampled tokens (for ``is_clip``).
+            old_logprobs: ``(N,)`` behaviour log-probs; None means on-policy (the IS weight is then 1 ∧ clip).
+        """
+        per_row = values
+        if self.config.is_clip is not None:
+            if logprobs is None:
+                raise ValueError("sdpo_is_clip needs the student's log-probs of the sampled tokens")
+            old = logprobs.detach() if old_logprobs is None else old_logprobs
+            per_row = per_row * is_ratio_weight(logprobs, old, self.config.is_clip)
+        w = weights.to(per_row.dtype)
+        total = w.sum()
+        return (per_row * w).sum() / torch.where(total > 0, total, torch.ones_like(total))

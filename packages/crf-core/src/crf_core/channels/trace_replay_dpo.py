@@ -1,0 +1,167 @@
+"""Trace-replay DPO channel: a preference loss on (teacher action, recorded student action) pairs.
+
+Pairs come from crf-replaysim: the teacher's action at a decision point of a recorded agent trace is
+``chosen``, the student's recorded action ``rejected``. With ``ρ = log π_θ(y|x) − log π_ref(y|x)`` summed over the
+response tokens, the loss is TRL's DPO ``loss_type`` (``crf_distill.dpo_loss``: sigmoid, hinge, ipo, robust,
+exo_pair, nca_pair, sigmoid_norm), mean over pairs; or SimPO (``crf_distill.simpo_loss``, Meng et al. 2024):
+``−log σ(β_s·(avg_w − avg_l) − γ)`` on length-averaged log-probs, reference-free. ``label_smoothing`` ε applies
+to every variant that has one (sigmoid/cDPO, robust, exo_pair and SimPO).
+
+Sequence log-probs are scored through ``crf_core.channels.head`` on the response tokens only, chunked at large
+vocabularies. Used unchanged by ``compose_loss`` and by ``ComposerReplicationTrainer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from crf_core.channels._validate import check_choice, check_number
+from crf_core.channels.head import LMHead
+from crf_distill import DPO_LOSS_TYPES, dpo_loss, simpo_loss
+
+__all__ = [
+    "DPO_VARIANTS",
+    "PreferenceConfig",
+    "PreferenceResult",
+    "SequenceBatch",
+    "SequenceLogps",
+    "TraceReplayDPOChannel",
+]
+
+DPO_VARIANTS: tuple[str, ...] = (*DPO_LOSS_TYPES, "simpo")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """The preference loss (validated on construction).
+
+    Attributes:
+        variant: a TRL DPO ``loss_type`` name or ``"simpo"``.
+        beta: DPO β > 0. label_smoothing: ε in [0, 0.5).
+        simpo_beta: SimPO β > 0. simpo_gamma: SimPO absolute target margin γ >= 0.
+    """
+
+    variant: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_beta: float = 2.0
+    simpo_gamma: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_choice("dpo_variant", self.variant, DPO_VARIANTS)
+        check_number("dpo_beta", self.beta, low=0.0, low_inclusive=False)
+        check_number("dpo_label_smoothing", self.label_smoothing, low=0.0, high=0.4999999)
+        check_number("simpo_beta", self.simpo_beta, low=0.0, low_inclusive=False)
+        check_number("simpo_gamma", self.simpo_gamma, low=0.0)
+
+    @property
+    def reference_free(self) -> bool:
+        """SimPO needs no reference log-probs (given ones are ignored)."""
+        return self.variant == "simpo"
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """``R`` token sequences to score: ``input_ids``, ``attention_mask`` and ``response_mask`` ``(R, L)``.
+
+    ``response_mask`` is 1 on the response tokens, whose log-probs are summed (the first token is never scored:
+    nothing predicts it).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SequenceLogps:
+    """Per-sequence ``total`` (sum of response-token log-probs) and ``length`` (response tokens), ``(R,)``."""
+
+    total: torch.Tensor
+    length: torch.Tensor
+
+    @property
+    def average(self) -> torch.Tensor:
+        """Length-normalised log-prob (SimPO's reward without β); 0 for an empty response."""
+        return self.total / self.length.clamp_min(1.0)
+
+    def rows(self, index: slice) -> SequenceLogps:
+        return SequenceLogps(self.total[index], self.length[index])
+
+
+@dataclass(frozen=True)
+class PreferenceResult:
+    """The loss (0-d) and per-pair implicit rewards ``(P,)`` (detached), for logging."""
+
+    loss: torch.Tensor
+    chosen_reward: torch.Tensor
+    rejected_reward: torch.Tensor
+
+    @property
+    def margin(self) -> torch.Tensor:
+        return self.chosen_reward - self.rejected_reward
+
+
+class TraceReplayDPOChannel:
+    """The trace-replay DPO channel (see the module docstring)."""
+
+    def __init__(self, config: PreferenceConfig) -> None:
+        if not isinstance(config, PreferenceConfig):
+            raise TypeError(f"config must be a PreferenceConfig, got {type(config).__name__}")
+        self.config = config
+
+    @staticmethod
+    def sequence_logps(head: LMHead, batch: SequenceBatch) -> SequenceLogps:
+        """Summed response-token log-probs of each sequence under ``head`` (grad if enabled)."""
+        ids = batch.input_ids
+        states = head.states(ids, batch.attention_mask)
+        scored = batch.response_mask[:, 1:] > 0
+        rows = states.tensor[:, :-1][scored]
+        labels = ids[:, 1:][scored]
+        seq = torch.nonzero(scored)[:, 0]
+        scores = head.score(rows, labels, is_logits=states.is_logits)
+        lp = scores.logprobs
+        total = torch.zeros(ids.shape[0], dtype=lp.dtype, device=lp.device).index_add(0, seq, lp)
+        return SequenceLogps(total, scored.sum(-1).to(lp.dtype))
+
+    def loss(
+        self,
+        chosen: SequenceLogps,
+        rejected: SequenceLogps,
+        ref_chosen: torch.Tensor | None = None,
+        ref_rejected: torch.Tensor | None = None,
+    ) -> PreferenceResult:
+        """The preference loss of ``P`` pairs; references (summed log-probs ``(P,)``) for the DPO variants only."""
+        cfg = self.config
+        if cfg.reference_free:
+            loss = simpo_loss(
+                chosen.average,
+                rejected.average,
+                beta=cfg.simpo_beta,
+                gamma=cfg.simpo_gamma,
+                label_smoothing=cfg.label_smoothing,
+            )
+            with torch.no_grad():
+                return PreferenceResult(loss, cfg.simpo_beta * chosen.average, cfg.simpo_beta * rejected.average)
+        if ref_chosen is None or ref_rejected is None:
+            raise ValueError(
+                f"dpo_variant={cfg.variant!r} needs reference log-probs of both sides (summed over the response); "
+                "SimPO needs none"
+            )
+        ref_c = ref_chosen.to(chosen.total.dtype)
+        ref_r = ref_rejected.to(rejected.total.dtype)
+        loss = dpo_loss(
+            chosen.total,
+            rejected.total,
+            ref_c,
+            ref_r,
+            beta=cfg.beta,
+            loss_type=cfg.variant,  # type: ignore[arg-type]
+            label_smoothing=cfg.label_smoothing,
+            chosen_lengths=chosen.length.clamp_min(1.0),
+            rejected_lengths=rejected.length.clamp_min(1.0),
+        )
+        with torch.no_grad():
+            return PreferenceResult(loss, cfg.beta * (chosen.total - ref_c), cfg.beta * (rejected.total - ref_r))
