@@ -17,8 +17,7 @@ from trl import GRPOTrainer
 
 from crf_core.loss import compose_loss
 from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
-from crf_core.trainer.replay_dpo import collate_pairs, pair_logps
-from crf_core.trainer.sdpo import response_logits
+from crf_core.trainer.pairs import collate_pairs
 from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
 PROMPT = "def add(a, b):\n    return"
@@ -28,6 +27,24 @@ PAIRS = [
     {"prompt": "def neg(x):\n    return", "chosen": " -x", "rejected": " x"},
     {"prompt": "def sq(x):\n    return", "chosen": " x * x", "rejected": " x + x"},
 ]
+
+
+def response_logits(
+    model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Logits scoring each completion token, the way TRL's GRPO forward runs the policy (no position ids)."""
+    c = ids.shape[1]
+    logits = model(input_ids=torch.cat([prompt_ids, ids], 1), attention_mask=torch.cat([prompt_mask, mask], 1)).logits
+    return logits[:, -c - 1 : -1]
+
+
+def pair_logps(model: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed response log-probs of a collated pair batch, from plain materialised logits."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    total = (lp * batch.response_mask[:, 1:]).sum(-1)
+    p = batch.input_ids.shape[0] // 2
+    return total[:p], total[p:]
 
 
 def half_success(completions: list[str], **kwargs: Any) -> list[float]:
@@ -132,7 +149,7 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
     assert "wrong answer #2" in teacher_text[2]
     assert teacher_text[1] == PROMPT
 
-    cursor = (list(trainer._pair_order), trainer._pair_cursor)
+    cursor = trainer.pair_cursor.state_dict()
     total = trainer.compute_loss(model, batch)
     metrics = trainer._metrics["train"]
     sdpo, dpo = metrics["sdpo_jsd"][-1], metrics["trace_replay_dpo"][-1]
@@ -170,10 +187,10 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
     assert sdpo == pytest.approx(float(reference.sdpo_jsd.detach()), rel=1e-5, abs=1e-7)
 
     # trace-replay DPO == compose_loss's trace_replay_dpo on the same two pairs and reference
-    trainer._pair_order, trainer._pair_cursor = cursor
-    idx = trainer._next_pair_indices()
+    trainer.pair_cursor.load_state_dict(cursor)
+    idx = trainer.pair_cursor.next()
     pb = collate_pairs([trainer._pairs[i] for i in idx], trainer._pad_id())
-    p = pb.num_pairs
+    p = pb.input_ids.shape[0] // 2
     ref_c, ref_r = (t[idx] for t in trainer._pair_ref)
     reference = compose_loss(
         model,
@@ -194,7 +211,7 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
     assert dpo == pytest.approx(float(reference.trace_replay_dpo.detach()), rel=1e-5, abs=1e-7)
     # the 'initial' reference is the untrained policy's summed log-probs
     with torch.no_grad():
-        c0, r0 = pair_logps(trainer.sdpo_teacher.module, pb, average=False)
+        c0, r0 = pair_logps(trainer.sdpo_teacher.module, pb)
     torch.testing.assert_close(ref_c, c0.float())
     torch.testing.assert_close(ref_r, r0.float())
 
@@ -208,6 +225,7 @@ def test_simpo_variant_is_reference_free(tmp_path: Path) -> None:
     )
     assert trainer.trace_replay_reference == "none"
     assert trainer._pair_ref is None
+    assert trainer.pair_cursor is not None
     trainer.model.train()
     loss = trainer.trace_replay_channel_loss(trainer.model, indices=[0, 1, 2])
     pb = collate_pairs(trainer._pairs, trainer._pad_id())

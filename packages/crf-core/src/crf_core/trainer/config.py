@@ -4,7 +4,9 @@ Every TRL field keeps its meaning and default. The added fields are grouped by c
 help text in the dataclass field metadata, so ``transformers.HfArgumentParser(ComposerConfig)``
 exposes them as command-line flags. SDPO defaults follow the SDPO paper's run configuration
 (lasgroup/SDPO ``actor.yaml`` / ``sdpo.yaml``: alpha 0.5, top-k 100 with a tail bucket, IS clip 2,
-EMA teacher at rate 0.05, reprompt switches on).
+EMA teacher at rate 0.05, reprompt switches on); TAID's follow the paper (t from 0.4 to 1.0, adaptive).
+The config builds the frozen channel configs of ``crf_core.channels`` (:meth:`ComposerConfig.sdpo_config`,
+:meth:`ComposerConfig.preference_config`, :meth:`ComposerConfig.chunk_plan`), which validate every value.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from crf_core.channels import ChunkPlan, PreferenceConfig, SDPOConfig
 from crf_core.trainer.reprompt import (
     DEFAULT_FEEDBACK_TEMPLATE,
     DEFAULT_REPROMPT_TEMPLATE,
     DEFAULT_SOLUTION_TEMPLATE,
     RepromptConfig,
 )
+from crf_distill import TAIDSchedule
 
 __all__ = ["TRACE_REPLAY_REFERENCES", "ComposerConfig"]
 
@@ -84,6 +88,59 @@ class ComposerConfig(GRPOConfig):
             "help": "Truncated importance weight min(π_θ/π_old, clip) (detached) on each token's SDPO loss; "
             "None disables it. It is 1 when training is on-policy."
         },
+    )
+
+    sdpo_wrapper: str | None = field(
+        default=None,
+        metadata={
+            "help": "Distillation wrapper of the SDPO divergence: None (generalised JSD), 'taid' (TAID's interpolated "
+            "target between the current student and the teacher replaces the teacher; t from taid_alpha_min to "
+            "taid_alpha_max) or 'entropy_opd' (reverse KL plus forward KL where the teacher entropy exceeds "
+            "entropy_opd_h_max)."
+        },
+    )
+    taid_alpha_min: float = field(
+        default=0.4, metadata={"help": "TAID: t at the start of training (the paper's t_start)."}
+    )
+    taid_alpha_max: float = field(default=1.0, metadata={"help": "TAID: the final t (the paper's t_end)."})
+    taid_adaptive: bool = field(
+        default=True,
+        metadata={
+            "help": "TAID: adaptive schedule (momentum of the relative loss change pushes t above its linear floor, "
+            "paper Alg. 1); False = the linear schedule t_start + (t_end - t_start)·step/max_steps."
+        },
+    )
+    taid_step_size: float = field(default=5e-4, metadata={"help": "TAID: the adaptive step size of t (paper's α)."})
+    taid_momentum: float = field(default=0.99, metadata={"help": "TAID: momentum of the adaptive update (paper's β)."})
+    entropy_opd_h_max: float | None = field(
+        default=None,
+        metadata={"help": "Entropy-OPD: teacher-entropy threshold in nats (required with sdpo_wrapper='entropy_opd')."},
+    )
+    entropy_opd_gate: str = field(
+        default="hard",
+        metadata={
+            "help": "Entropy-OPD gate on the teacher entropy H: 'hard' 1[H > h_max], 'sigmoid' σ(s·(H − h_max)) or "
+            "'linear' clamp(H / h_max, 0, 1)."
+        },
+    )
+    entropy_opd_sharpness: float = field(default=5.0, metadata={"help": "Entropy-OPD: s of the sigmoid gate."})
+    entropy_opd_forward_weight: float = field(
+        default=1.0, metadata={"help": "Entropy-OPD: weight of the gated forward-KL term."}
+    )
+
+    # ----------------------------------------------------------------- LM head execution
+    lm_head_chunking: str = field(
+        default="auto",
+        metadata={
+            "help": "Run the LM head in chunks of tokens so no (batch, tokens, vocab) logits tensor exists (GRPO "
+            "log-probs and entropies, the SDPO student and teacher, the DPO pairs, the no-grad old/reference passes): "
+            "'auto' chunks when a pass's logits would exceed 64 MiB (e.g. 110 tokens at Qwen's 151,936 "
+            "vocabulary), 'on' always, 'off' never. Models without a separable linear head use TRL's own path."
+        },
+    )
+    chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per LM-head chunk; None sizes chunks to 8 MiB of float32 logits (13 at 151,936)."},
     )
 
     # ----------------------------------------------------------------- SDPO: teacher
@@ -161,13 +218,14 @@ class ComposerConfig(GRPOConfig):
     dpo_variant: str = field(
         default="sigmoid",
         metadata={
-            "help": "Preference loss: a TRL DPO `loss_type` name (sigmoid, hinge, ipo, robust, …) or 'simpo' "
-            "(reference-free, length-normalised)."
+            "help": "Preference loss: a TRL DPO `loss_type` name (sigmoid, hinge, ipo, robust, exo_pair, nca_pair, "
+            "sigmoid_norm) or 'simpo' (reference-free, length-normalised)."
         },
     )
     dpo_beta: float = field(default=0.1, metadata={"help": "DPO β (inverse temperature of the implicit reward)."})
     dpo_label_smoothing: float = field(
-        default=0.0, metadata={"help": "ε for the variants that use it (robust, exo_pair); ignored by the others."}
+        default=0.0,
+        metadata={"help": "ε in [0, 0.5) for the variants that use it: sigmoid (cDPO), robust, exo_pair and SimPO."},
     )
     simpo_beta: float = field(default=2.0, metadata={"help": "SimPO β (scale of the average log-prob margin)."})
     simpo_gamma: float = field(default=1.0, metadata={"help": "SimPO target margin γ (absolute, not γ/β)."})
@@ -197,12 +255,6 @@ class ComposerConfig(GRPOConfig):
             _weight(name, getattr(self, name))
         if self.grpo_weight == self.sdpo_weight == self.trace_replay_dpo_weight == 0:
             raise ValueError("every channel weight is 0, so nothing would be trained; set at least one weight > 0")
-        if not 0.0 <= self.sdpo_alpha <= 1.0:
-            raise ValueError(f"sdpo_alpha must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.sdpo_alpha}")
-        if self.sdpo_top_k is not None and (not isinstance(self.sdpo_top_k, int) or self.sdpo_top_k < 1):
-            raise ValueError(f"sdpo_top_k must be a positive int or None (full vocabulary), got {self.sdpo_top_k!r}")
-        if self.sdpo_is_clip is not None and not self.sdpo_is_clip > 0:
-            raise ValueError(f"sdpo_is_clip must be > 0 or None (disabled), got {self.sdpo_is_clip!r}")
         if self.sdpo_teacher not in ("ema", "live"):
             raise ValueError(f"sdpo_teacher must be 'ema' or 'live', got {self.sdpo_teacher!r}")
         if not 0.0 <= self.sdpo_teacher_update_rate <= 1.0:
@@ -214,11 +266,10 @@ class ComposerConfig(GRPOConfig):
         if not (isinstance(self.sdpo_max_reprompt_len, int) and self.sdpo_max_reprompt_len > 0):
             raise ValueError(f"sdpo_max_reprompt_len must be a positive int, got {self.sdpo_max_reprompt_len!r}")
         self.reprompt_config()  # validates the templates and the threshold
-        _check_dpo_variant(self.dpo_variant)
-        if not self.dpo_beta > 0 or not self.simpo_beta > 0:
-            raise ValueError(f"dpo_beta and simpo_beta must be > 0, got {self.dpo_beta} and {self.simpo_beta}")
-        if not 0.0 <= self.dpo_label_smoothing < 0.5:
-            raise ValueError(f"dpo_label_smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}")
+        self.sdpo_config()
+        self.preference_config()
+        self.chunk_plan()
+        self.taid_schedule()
         if not (isinstance(self.trace_replay_batch_size, int) and self.trace_replay_batch_size >= 1):
             raise ValueError(f"trace_replay_batch_size must be a positive int, got {self.trace_replay_batch_size!r}")
         if not (isinstance(self.trace_replay_max_length, int) and self.trace_replay_max_length >= 2):
@@ -233,6 +284,49 @@ class ComposerConfig(GRPOConfig):
                 f"{self.dpo_variant!r} needs reference log-probs"
             )
 
+    def sdpo_config(self) -> SDPOConfig:
+        """The SDPO channel's frozen config (raises ``ValueError`` naming a bad field)."""
+        return SDPOConfig(
+            alpha=self.sdpo_alpha,
+            top_k=self.sdpo_top_k,
+            add_tail=self.sdpo_add_tail,
+            is_clip=self.sdpo_is_clip,
+            wrapper=self.sdpo_wrapper,  # type: ignore[arg-type]
+            entropy_opd_h_max=self.entropy_opd_h_max,
+            entropy_opd_gate=self.entropy_opd_gate,  # type: ignore[arg-type]
+            entropy_opd_sharpness=self.entropy_opd_sharpness,
+            entropy_opd_forward_weight=self.entropy_opd_forward_weight,
+        )
+
+    def preference_config(self) -> PreferenceConfig:
+        """The trace-replay DPO channel's frozen config."""
+        return PreferenceConfig(
+            variant=self.dpo_variant,
+            beta=self.dpo_beta,
+            label_smoothing=self.dpo_label_smoothing,
+            simpo_beta=self.simpo_beta,
+            simpo_gamma=self.simpo_gamma,
+        )
+
+    def chunk_plan(self) -> ChunkPlan:
+        """When and how finely the LM head runs in chunks."""
+        return ChunkPlan(mode=self.lm_head_chunking, chunk_size=self.chunk_size)  # type: ignore[arg-type]
+
+    def taid_schedule(self) -> TAIDSchedule | None:
+        """A fresh TAID schedule (state ``t``, previous loss, momentum) when ``sdpo_wrapper='taid'``, else None."""
+        if self.sdpo_wrapper != "taid":
+            for name in ("taid_alpha_min", "taid_alpha_max"):
+                if getattr(self, name) != type(self).__dataclass_fields__[name].default:
+                    raise ValueError(f"{name} was set but sdpo_wrapper is not 'taid'; set sdpo_wrapper='taid'")
+            return None
+        return TAIDSchedule(
+            t_start=self.taid_alpha_min,
+            t_end=self.taid_alpha_max,
+            alpha=self.taid_step_size,
+            beta=self.taid_momentum,
+            disable_adaptive=not self.taid_adaptive,
+        )
+
     def reprompt_config(self) -> RepromptConfig:
         """The ``RepromptConfig`` these fields describe."""
         return RepromptConfig(
@@ -245,10 +339,3 @@ class ComposerConfig(GRPOConfig):
             include_environment_feedback=self.sdpo_include_environment_feedback,
             environment_feedback_only_without_solution=self.sdpo_environment_feedback_only_without_solution,
         )
-
-
-def _check_dpo_variant(variant: str) -> None:
-    from crf_core.trainer.replay_dpo import DPO_VARIANTS
-
-    if variant not in DPO_VARIANTS:
-        raise ValueError(f"dpo_variant must be one of {sorted(DPO_VARIANTS)}, got {variant!r}")

@@ -4,38 +4,58 @@ Loss of one micro-batch (``GA`` = gradient-accumulation steps in training, 1 in 
 
     L = w_grpo · L_grpo  +  w_sdpo · L_sdpo / GA  +  w_dpo · L_dpo / GA
 
-* ``L_grpo``: ``GRPOTrainer.compute_loss`` unchanged (TRL's own normalisation, already GA-scaled).
-* ``L_sdpo``: generalised JSD between the policy on ``[prompt ; response]`` and the self-teacher (the
-  policy, or its EMA copy) under no-grad on ``[reprompt ; response]``, token-mean over the response
-  tokens of samples that have a teacher signal (a successful peer in the group or feedback).
-* ``L_dpo``: DPO (a TRL loss_type, or SimPO) on a cycled mini-batch of trace-replay pairs.
+* ``L_grpo``: TRL's own ``GRPOTrainer.compute_loss`` (every loss type, its masking, clipping, KL and
+  normalisation, already GA-scaled), fed per-token log-probs and entropies by ``crf_core.channels.grpo``: one
+  decoder pass and an LM head chunked over the completion tokens, so no ``(B, C, V)`` logits exist.
+* ``L_sdpo``: ``crf_core.channels.sdpo`` between the policy on ``[prompt ; completion]`` and the self-teacher
+  (the policy, or its EMA copy) under no-grad on ``[reprompt ; completion]``. Its student divergence is scored
+  in the same chunked pass as GRPO's log-probs (one policy forward for both).
+* ``L_dpo``: ``crf_core.channels.trace_replay_dpo`` on the next trace-replay pairs (sharded across ranks).
 
-Metrics (``self._metrics``, averaged per logging step like TRL's): ``grpo``, ``sdpo_jsd`` and
-``trace_replay_dpo`` are each channel's per-micro-batch value before its weight and before GA
-scaling; ``self_distillation/*`` are the reprompting fractions of the SDPO reference code;
-``trace_replay_dpo/*`` are implicit rewards and accuracy. TRL's own metrics (reward, kl, entropy,
-clip ratios, …) are untouched.
+The same chunked scoring serves TRL's no-grad old/reference log-prob passes: the trainer overrides
+``_get_per_token_logps_and_entropies``. Models without a separable linear head, multimodal batches and MoE
+auxiliary losses use TRL's own path (a warning says why).
+
+Metrics (``self._metrics``, averaged per logging step like TRL's, gathered over ranks): ``grpo``,
+``sdpo_jsd`` and ``trace_replay_dpo`` (each channel's per-micro-batch value before weight and GA scaling),
+``taid_t``, ``self_distillation/*`` (reprompting fractions) and ``trace_replay_dpo/*`` (implicit rewards).
 
 Data flow: ``_calculate_rewards`` is wrapped to keep each generation batch's prompts, completions and
 gathered rewards; reward functions report feedback through TRL's ``log_extra(sdpo_feedback_key, …)``,
 captured by the ``_log_completion_extra`` override; ``_generate_and_score_completions`` then adds
-``sdpo_teacher_prompt_ids``/``sdpo_teacher_prompt_mask`` ``(B, L)`` and ``sdpo_mask`` ``(B,)`` to the
-batch (batch-first, so TRL's shuffle/split keeps them aligned).
+``sdpo_teacher_prompt_ids``/``sdpo_teacher_prompt_mask`` ``(B, L)`` and ``sdpo_mask`` ``(B,)`` to the batch.
+
+State that outlives a step (EMA teacher, TAID schedule, pair cursor) is saved with every checkpoint and
+restored by ``train(resume_from_checkpoint=...)`` (``crf_core.trainer.state``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
+from crf_core.channels import (
+    CompletionScores,
+    LMHead,
+    SDPOChannel,
+    SDPOTargets,
+    SequenceBatch,
+    SequenceLogps,
+    TraceReplayDPOChannel,
+    hidden_source,
+    score_completions,
+)
 from crf_core.trainer._trl_contract import (
     GENERATION_OUTPUT_KEYS,
     TRLContractError,
@@ -43,36 +63,58 @@ from crf_core.trainer._trl_contract import (
     check_trl_contract,
 )
 from crf_core.trainer.config import ComposerConfig
-from crf_core.trainer.replay_dpo import (
-    TokenizedPair,
-    collate_pairs,
-    load_pair_records,
-    pair_logps,
-    preference_loss,
-    tokenize_pairs,
-)
+from crf_core.trainer.pairs import PairCursor, TokenizedPair, check_pair_records, collate_pairs, tokenize_pairs
 from crf_core.trainer.reprompt import PromptLike, build_reprompts
-from crf_core.trainer.sdpo import EmaTeacher, response_logits, sdpo_loss
+from crf_core.trainer.state import ChannelState
+from crf_core.trainer.teacher import EmaTeacher
+from crf_distill import RowTerm
 
 __all__ = ["ComposerReplicationTrainer"]
 
 logger = logging.getLogger(__name__)
 
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
-class _EmaUpdate(TrainerCallback):
-    """Moves the EMA self-teacher toward the policy after every optimizer step."""
+
+@dataclass
+class _SharedSDPO:
+    """The SDPO student term of one micro-batch, waiting to ride along GRPO's scoring pass."""
+
+    factory: Any
+    shape: tuple[int, int]
+    logits_to_keep: int
+    scores: CompletionScores | None = field(default=None)
+
+
+class _ChannelStep(TrainerCallback):
+    """After every optimizer step: move the EMA self-teacher, advance TAID's schedule."""
 
     def __init__(self, trainer: ComposerReplicationTrainer) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        teacher = self.trainer.sdpo_teacher
-        if teacher is not None:
-            teacher.update(self.trainer.accelerator.unwrap_model(self.trainer.model))
+        trainer = self.trainer
+        if trainer.sdpo_teacher is not None:
+            trainer.sdpo_teacher.update(trainer.accelerator.unwrap_model(trainer.model))
+        if trainer.taid_schedule is not None and trainer._taid_losses:
+            loss = sum(trainer._taid_losses) / len(trainer._taid_losses)
+            trainer.taid_schedule.update(loss, int(state.global_step), max(int(state.max_steps), 1))
+        trainer._taid_losses.clear()
 
 
 class ComposerReplicationTrainer(GRPOTrainer):
-    """GRPO (TRL, untouched) + SDPO self-distillation + trace-replay DPO, each weighted and logged.
+    """GRPO (TRL's math) + SDPO self-distillation + trace-replay DPO, each weighted and logged.
 
     Args:
         model, reward_funcs, train_dataset, eval_dataset, processing_class, …: as ``GRPOTrainer``.
@@ -103,20 +145,25 @@ class ComposerReplicationTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_trainer_attributes(self)
         self.composer_args: ComposerConfig = args
+        self._chunk_plan = args.chunk_plan()
         self._reprompt_config = args.reprompt_config()
         self._capture: tuple[list[Any], list[Any], torch.Tensor] | None = None
         self._feedback_calls: list[list[Any]] = []
+        self._shared: _SharedSDPO | None = None
+        self._warned: set[str] = set()
 
+        self.sdpo = SDPOChannel(args.sdpo_config()) if args.sdpo_weight > 0 else None
+        self.taid_schedule = args.taid_schedule() if self.sdpo is not None else None
+        self._taid_losses: list[float] = []
         self.sdpo_teacher: EmaTeacher | None = None
-        if args.sdpo_weight > 0 and args.sdpo_teacher == "ema":
+        if self.sdpo is not None and args.sdpo_teacher == "ema":
             self.sdpo_teacher = EmaTeacher(self.accelerator.unwrap_model(self.model), args.sdpo_teacher_update_rate)
-            self.add_callback(_EmaUpdate(self))
+        self.add_callback(_ChannelStep(self))
 
+        self.preference = TraceReplayDPOChannel(args.preference_config())
         self._pairs: list[TokenizedPair] = []
         self._pair_ref: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._pair_order: list[int] = []
-        self._pair_cursor = 0
-        self._pair_generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
+        self.pair_cursor: PairCursor | None = None
         self._trace_replay_ref_model = trace_replay_ref_model
         self.trace_replay_reference = "none"
         self._setup_trace_replay(trace_replay_pairs)
@@ -135,6 +182,24 @@ class ComposerReplicationTrainer(GRPOTrainer):
         tokenizer = getattr(self._processor, "tokenizer", self._processor)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return int(pad)
+
+    def _head(self, model: Any) -> LMHead:
+        """The policy (as the step calls it, possibly DDP-wrapped) as decoder + chunked head."""
+        return LMHead(model, self._chunk_plan, unwrap=self.accelerator.unwrap_model, temperature=self.temperature)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)
+
+    def _log_channel(self, mode: str, name: str, value: float) -> float:
+        """Append the ranks' mean of ``value`` (NaN where a rank has none) to TRL's metrics; returns it."""
+        local = torch.tensor([value], dtype=torch.float32, device=self.accelerator.device)
+        gathered = self.accelerator.gather(local)
+        finite = gathered[~torch.isnan(gathered)]
+        mean = float(finite.mean()) if finite.numel() else math.nan
+        self._metrics[mode][name].append(mean)
+        return mean
 
     # ------------------------------------------------------------------ generation-side hooks
     def _log_completion_extra(self, column: str, values: list[Any]) -> None:
@@ -156,7 +221,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         missing = [k for k in GENERATION_OUTPUT_KEYS if k not in output]
         if missing:
             raise TRLContractError(f"GRPOTrainer._generate_and_score_completions no longer returns {missing}")
-        if self.composer_args.sdpo_weight > 0:
+        if self.sdpo is not None:
             output.update(self._teacher_inputs(output))
         return output
 
@@ -247,6 +312,74 @@ class ComposerReplicationTrainer(GRPOTrainer):
             out.append(row)
         return out
 
+    # ------------------------------------------------------------------ scoring (GRPO and TRL's no-grad passes)
+    def _trl_path_reason(self, head: LMHead, compute_aux_loss: bool, extra: Mapping[str, Any]) -> str | None:
+        if not head.separable:
+            return f"the model's LM head cannot be run apart from it ({head.reason})"
+        if compute_aux_loss:
+            return "the model reports a MoE load-balancing loss (output_router_logits)"
+        present = [k for k in _MULTIMODAL_KEYS if extra.get(k) is not None]
+        if present:
+            return f"the batch is multimodal ({', '.join(present)})"
+        unknown = sorted(set(extra) - set(_MULTIMODAL_KEYS))
+        if unknown:
+            return f"TRL passed arguments this trainer does not know ({', '.join(unknown)})"
+        return None
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **extra: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        head = self._head(model)
+        reason = self._trl_path_reason(head, compute_aux_loss, extra)
+        if reason is not None:
+            self._warn_once(f"crf: scoring with TRL's own log-prob path, LM head not chunked, because {reason}")
+            result: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] = (
+                super()._get_per_token_logps_and_entropies(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    batch_size=batch_size,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
+                    **extra,
+                )
+            )
+            return result
+        shared = self._shared
+        if shared is not None and shared.shape == tuple(input_ids.shape) and shared.logits_to_keep == logits_to_keep:
+            self._shared = None
+            shared.scores = score_completions(
+                head, input_ids, attention_mask, logits_to_keep, entropy=compute_entropy, extra=shared.factory
+            )
+            return shared.scores.logps, shared.scores.entropies, None
+        step = batch_size or input_ids.shape[0]
+        parts = [
+            score_completions(
+                head, input_ids[i : i + step], attention_mask[i : i + step], logits_to_keep, entropy=compute_entropy
+            )
+            for i in range(0, input_ids.shape[0], step)
+        ]
+        logps = torch.cat([p.logps for p in parts])
+        entropies = torch.cat([p.entropies for p in parts if p.entropies is not None]) if compute_entropy else None
+        return logps, entropies, None
+
+    @contextmanager
+    def _sharing(self, shared: _SharedSDPO | None) -> Iterator[_SharedSDPO | None]:
+        self._shared = shared
+        try:
+            yield shared
+        finally:
+            self._shared = None
+
     # ------------------------------------------------------------------ loss
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
@@ -257,73 +390,87 @@ class ComposerReplicationTrainer(GRPOTrainer):
         mode = self._mode()
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         terms: list[torch.Tensor] = []
+        sdpo_step = self._sdpo_step(model, inputs) if self.sdpo is not None else None
         if cfg.grpo_weight > 0:
-            grpo = super().compute_loss(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
-            self._metrics[mode]["grpo"].append(float(grpo.detach()) * accumulation)
+            with self._sharing(sdpo_step[0] if sdpo_step is not None else None):
+                grpo = super().compute_loss(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
+            self._log_channel(mode, "grpo", float(grpo.detach()) * accumulation)
             terms.append(cfg.grpo_weight * grpo)
-        if cfg.sdpo_weight > 0:
-            sdpo = self.sdpo_channel_loss(model, inputs)
+        if self.sdpo is not None:
+            sdpo = None if sdpo_step is None else self._sdpo_loss(model, inputs, *sdpo_step)
+            value = self._log_channel(mode, "sdpo_jsd", math.nan if sdpo is None else float(sdpo.detach()))
+            if mode == "train" and self.taid_schedule is not None:
+                self._metrics[mode]["taid_t"].append(self.taid_schedule.t)
+                if not math.isnan(value):
+                    self._taid_losses.append(value)
             if sdpo is not None:
-                self._metrics[mode]["sdpo_jsd"].append(float(sdpo.detach()))
                 terms.append(cfg.sdpo_weight * sdpo / accumulation)
         if cfg.trace_replay_dpo_weight > 0 and self._pairs and mode == "train":
             dpo = self.trace_replay_channel_loss(model)
-            self._metrics[mode]["trace_replay_dpo"].append(float(dpo.detach()))
             terms.append(cfg.trace_replay_dpo_weight * dpo / accumulation)
         if not any(t.requires_grad for t in terms):
-            # Every active channel was empty for this micro-batch (e.g. SDPO alone and no sample had a
-            # teacher signal): return a zero that is still connected to the graph so backward() works.
-            anchor = next(p for p in model.parameters() if p.requires_grad)
-            terms.append(anchor.sum() * 0.0)
-        return torch.stack([t.reshape(()) for t in terms]).sum()
+            # Every active channel was empty for this micro-batch (e.g. SDPO alone and no sample had a teacher
+            # signal): a zero connected to every trainable parameter, so backward() and DDP's reducer still work.
+            terms.append(torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0)
+        return torch.stack([t.reshape(()).to(terms[0].dtype) for t in terms]).sum()
 
-    def sdpo_channel_loss(self, model: Any, inputs: Mapping[str, Any]) -> torch.Tensor | None:
-        """The SDPO loss of one micro-batch (before weight and GA scaling); None if no sample has a teacher signal."""
+    def _sdpo_step(self, model: Any, inputs: Mapping[str, Any]) -> tuple[_SharedSDPO, torch.Tensor] | None:
+        """The SDPO student term of this micro-batch and its ``(B, C)`` token weights; None without signal."""
+        assert self.sdpo is not None
         for key in ("sdpo_teacher_prompt_ids", "sdpo_teacher_prompt_mask", "sdpo_mask"):
             if key not in inputs:
                 raise KeyError(f"the batch has no {key!r}: it was not produced by ComposerReplicationTrainer")
-        keep = inputs["sdpo_mask"] > 0
-        if not bool(keep.any()):
+        signal = inputs["sdpo_mask"] > 0
+        if not bool(signal.any()):
             return None
-        rows = keep.nonzero(as_tuple=True)[0]
-        completion_ids = inputs["completion_ids"][rows]
-        completion_mask = inputs["completion_mask"][rows]
-        if "tool_mask" in inputs:
-            completion_mask = completion_mask * inputs["tool_mask"][rows]
-        student = response_logits(
-            model,
-            inputs["prompt_ids"][rows],
-            inputs["prompt_mask"][rows],
-            completion_ids,
-            completion_mask,
-            temperature=self.temperature,
-        )
+        rows = signal.nonzero(as_tuple=True)[0]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        token_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        c = completion_ids.shape[1]
         teacher_model = (
             self.sdpo_teacher.module if self.sdpo_teacher is not None else self.accelerator.unwrap_model(model)
         )
+        teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature)
+        prompt = inputs["sdpo_teacher_prompt_ids"][rows]
+        t_ids = torch.cat([prompt, completion_ids[rows]], dim=1)
+        t_mask = torch.cat([inputs["sdpo_teacher_prompt_mask"][rows], completion_mask[rows]], dim=1)
         with torch.no_grad():
-            teacher = response_logits(
-                teacher_model,
-                inputs["sdpo_teacher_prompt_ids"][rows],
-                inputs["sdpo_teacher_prompt_mask"][rows],
-                completion_ids,
-                completion_mask,
-                temperature=self.temperature,
-            )
+            t_states = teacher.states(t_ids, t_mask).tensor[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + c]
+        flat = t_states.reshape(rows.numel() * c, -1)
+        slot = torch.full((signal.shape[0],), -1, dtype=torch.long, device=signal.device)
+        slot[rows] = torch.arange(rows.numel(), device=signal.device)
+        sdpo, taid_t = self.sdpo, None if self.taid_schedule is None else self.taid_schedule.t
+
+        def factory(sample: torch.Tensor, position: torch.Tensor) -> RowTerm:
+            index = slot[sample].clamp_min(0) * c + position
+            active = signal[sample] & (token_mask[sample, position] > 0)
+            return sdpo.term(SDPOTargets(hidden_source(teacher, flat, lambda r: index[r]), taid_t=taid_t), active)
+
+        shape = (completion_ids.shape[0], inputs["prompt_ids"].shape[1] + c)
+        return _SharedSDPO(factory, shape, c), token_mask * signal[:, None]
+
+    def _sdpo_loss(self, model: Any, inputs: Mapping[str, Any], shared: _SharedSDPO, weights: torch.Tensor) -> Any:
+        assert self.sdpo is not None
+        scores = shared.scores
+        if scores is None:  # GRPO is off (or went through TRL's path): the student gets its own pass
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            scores = score_completions(self._head(model), ids, mask, shared.logits_to_keep, extra=shared.factory)
+        assert scores.extra is not None
         old = inputs.get("old_per_token_logps")
-        cfg = self.composer_args
-        return sdpo_loss(
-            student,
-            teacher,
-            completion_ids,
-            completion_mask,
-            torch.ones(rows.numel(), device=student.device),
-            alpha=cfg.sdpo_alpha,
-            top_k=cfg.sdpo_top_k,
-            add_tail=cfg.sdpo_add_tail,
-            is_clip=cfg.sdpo_is_clip,
-            old_logprobs=old[rows] if old is not None else None,
+        return self.sdpo.loss(
+            scores.extra.reshape(-1),
+            weights.reshape(-1),
+            scores.logps.reshape(-1),
+            None if old is None else old.reshape(-1),
         )
+
+    def sdpo_channel_loss(self, model: Any, inputs: Mapping[str, Any]) -> torch.Tensor | None:
+        """The SDPO loss of one micro-batch (before weight and GA scaling); None if no sample has a teacher signal."""
+        if self.sdpo is None:
+            raise ValueError("the SDPO channel is off (sdpo_weight=0)")
+        step = self._sdpo_step(model, inputs)
+        return None if step is None else self._sdpo_loss(model, inputs, *step)
 
     # ------------------------------------------------------------------ trace-replay DPO
     def _setup_trace_replay(self, pairs: Iterable[Mapping[str, Any]] | None) -> None:
@@ -341,9 +488,16 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 "trace-replay pairs were given but trace_replay_dpo_weight=0, so they would be ignored; "
                 "set trace_replay_dpo_weight > 0 or drop the pairs"
             )
-        records = load_pair_records(source)
+        records = _read_pairs(source)
         tokenizer = getattr(self._processor, "tokenizer", self._processor)
         self._pairs = tokenize_pairs(records, tokenizer, cfg.trace_replay_max_length)
+        self.pair_cursor = PairCursor(
+            len(self._pairs),
+            cfg.trace_replay_batch_size,
+            world_size=self.accelerator.num_processes,
+            rank=self.accelerator.process_index,
+            seed=cfg.seed,
+        )
         self.trace_replay_reference = self._resolve_reference()
         if self.trace_replay_reference == "precomputed":
             self._pair_ref = (
@@ -360,7 +514,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         has_precomputed = all(p.ref_chosen_logps is not None and p.ref_rejected_logps is not None for p in self._pairs)
         is_peft = hasattr(self.accelerator.unwrap_model(self.model), "disable_adapter")
         ref_model = self._trace_replay_ref_model or getattr(self, "ref_model", None)
-        if cfg.dpo_variant == "simpo":
+        if self.preference.config.reference_free:
             if choice not in ("auto", "none"):
                 logger.warning("dpo_variant='simpo' is reference-free; trace_replay_reference=%r is ignored", choice)
             return "none"
@@ -384,86 +538,108 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         return choice
 
+    def _pair_logps(self, model: Any, batch: SequenceBatch) -> tuple[SequenceLogps, SequenceLogps]:
+        """Chosen and rejected sequence log-probs (``P`` rows each) of a collated pair batch."""
+        head = LMHead(model, self._chunk_plan, unwrap=self.accelerator.unwrap_model)
+        logps = self.preference.sequence_logps(head, batch)
+        p = batch.input_ids.shape[0] // 2
+        return logps.rows(slice(0, p)), logps.rows(slice(p, 2 * p))
+
     @torch.no_grad()
     def _score_all_pairs(self, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, rejected = [], []
         step = max(1, self.composer_args.trace_replay_batch_size)
-        device = self.accelerator.device
         for start in range(0, len(self._pairs), step):
-            batch = collate_pairs(self._pairs[start : start + step], self._pad_id(), device)
-            c, r = pair_logps(model, batch, average=False)
-            chosen.append(c.float().cpu())
-            rejected.append(r.float().cpu())
+            batch = collate_pairs(self._pairs[start : start + step], self._pad_id(), self.accelerator.device)
+            c, r = self._pair_logps(model, batch)
+            chosen.append(c.total.float().cpu())
+            rejected.append(r.total.float().cpu())
         return torch.cat(chosen), torch.cat(rejected)
 
-    def _next_pair_indices(self) -> list[int]:
-        out = []
-        for _ in range(self.composer_args.trace_replay_batch_size):
-            if self._pair_cursor >= len(self._pair_order):
-                self._pair_order = torch.randperm(len(self._pairs), generator=self._pair_generator).tolist()
-                self._pair_cursor = 0
-            out.append(self._pair_order[self._pair_cursor])
-            self._pair_cursor += 1
-        return out
-
-    def _reference_context(self, model: Any) -> AbstractContextManager[Any]:
-        if self.trace_replay_reference == "adapter":
-            policy: Any = self.accelerator.unwrap_model(model)
-            context: AbstractContextManager[Any] = policy.disable_adapter()
-            return context
-        return nullcontext()
+    def _reference_logps(self, model: Any, idx: list[int], batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pair_ref is not None:
+            ref_c, ref_r = (t[idx] for t in self._pair_ref)
+            return ref_c, ref_r
+        with torch.no_grad():
+            if self.trace_replay_reference == "adapter":
+                policy: Any = self.accelerator.unwrap_model(model)
+                with policy.disable_adapter():
+                    c, r = self._pair_logps(policy, batch)
+            else:
+                c, r = self._pair_logps(self._trace_replay_ref_model or self.ref_model, batch)
+        return c.total, r.total
 
     def trace_replay_channel_loss(self, model: Any, indices: Sequence[int] | None = None) -> torch.Tensor:
-        """The trace-replay DPO loss on the next cycled pairs (or ``indices``), before weight and GA scaling."""
-        cfg = self.composer_args
-        idx = list(indices) if indices is not None else self._next_pair_indices()
+        """The trace-replay DPO loss on this rank's next pairs (or ``indices``), before weight and GA scaling."""
+        if self.pair_cursor is None:
+            raise ValueError("the trace-replay DPO channel has no pairs (trace_replay_dpo_weight=0)")
+        idx = list(indices) if indices is not None else self.pair_cursor.next()
         if not idx or not all(0 <= i < len(self._pairs) for i in idx):
             raise IndexError(f"pair indices must be in [0, {len(self._pairs)}), got {idx}")
-        pairs = [self._pairs[i] for i in idx]
-        batch = collate_pairs(pairs, self._pad_id(), self.accelerator.device)
-        simpo = cfg.dpo_variant == "simpo"
-        policy_c, policy_r = pair_logps(model, batch, average=simpo)
+        batch = collate_pairs([self._pairs[i] for i in idx], self._pad_id(), self.accelerator.device)
+        chosen, rejected = self._pair_logps(model, batch)
         ref_c = ref_r = None
-        if not simpo:
-            if self._pair_ref is not None:
-                ref_c, ref_r = (t[idx].to(policy_c.device, policy_c.dtype) for t in self._pair_ref)
-            else:
-                ref: Any = (
-                    self.accelerator.unwrap_model(model)
-                    if self.trace_replay_reference == "adapter"
-                    else (self._trace_replay_ref_model or self.ref_model)
-                )
-                with torch.no_grad(), self._reference_context(model):
-                    ref_c, ref_r = pair_logps(ref, batch, average=False)
-        lengths = batch.response_mask[:, 1:].sum(-1).to(policy_c.dtype)
-        loss = preference_loss(
-            policy_c,
-            policy_r,
-            ref_c,
-            ref_r,
-            variant=cfg.dpo_variant,
-            beta=cfg.dpo_beta,
-            label_smoothing=cfg.dpo_label_smoothing,
-            simpo_beta=cfg.simpo_beta,
-            simpo_gamma=cfg.simpo_gamma,
-            chosen_lengths=lengths[: len(idx)],
-            rejected_lengths=lengths[len(idx) :],
-        )
+        if not self.preference.config.reference_free:
+            ref_c, ref_r = self._reference_logps(model, idx, batch)
+            ref_c, ref_r = ref_c.to(chosen.total.device), ref_r.to(chosen.total.device)
+        result = self.preference.loss(chosen, rejected, ref_c, ref_r)
         mode = self._mode()
-        with torch.no_grad():
-            if simpo:
-                margin = cfg.simpo_beta * (policy_c - policy_r)
-                chosen_reward, rejected_reward = cfg.simpo_beta * policy_c, cfg.simpo_beta * policy_r
-            else:
-                assert ref_c is not None
-                assert ref_r is not None
-                chosen_reward, rejected_reward = cfg.dpo_beta * (policy_c - ref_c), cfg.dpo_beta * (policy_r - ref_r)
-                margin = chosen_reward - rejected_reward
-        metrics = self._metrics[mode]
-        metrics["trace_replay_dpo/rewards/chosen"].append(float(chosen_reward.mean()))
-        metrics["trace_replay_dpo/rewards/rejected"].append(float(rejected_reward.mean()))
-        metrics["trace_replay_dpo/rewards/margin"].append(float(margin.mean()))
-        metrics["trace_replay_dpo/rewards/accuracy"].append(float((margin > 0).float().mean()))
-        if not math.isfinite(float(loss.detach())):
-            logger.warning("trace-replay DPO loss is not finite (%s); check the pairs and the reference", float(loss))
-        return loss
+        self._log_channel(mode, "trace_replay_dpo", float(result.loss.detach()))
+        self._log_channel(mode, "trace_replay_dpo/rewards/chosen", float(result.chosen_reward.mean()))
+        self._log_channel(mode, "trace_replay_dpo/rewards/rejected", float(result.rejected_reward.mean()))
+        self._log_channel(mode, "trace_replay_dpo/rewards/margin", float(result.margin.mean()))
+        self._log_channel(mode, "trace_replay_dpo/rewards/accuracy", float((result.margin > 0).float().mean()))
+        if not math.isfinite(float(result.loss.detach())):
+            self._warn_once("trace-replay DPO loss is not finite; check the pairs and the reference")
+        return result.loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def channel_state(self) -> ChannelState:
+        """The state of the channels that outlives a step (EMA teacher, TAID schedule, pair cursor)."""
+        return ChannelState(
+            teacher=None if self.sdpo_teacher is None else self.sdpo_teacher.state_dict(),
+            taid=None if self.taid_schedule is None else self.taid_schedule.state_dict(),
+            pairs=None if self.pair_cursor is None else self.pair_cursor.state_dict(),
+        )
+
+    def load_channel_state(self, state: ChannelState) -> None:
+        """Restore :meth:`channel_state`; a part this run has but the state lacks is an error."""
+        for name, own, saved in (
+            ("EMA self-teacher", self.sdpo_teacher, state.teacher),
+            ("TAID schedule", self.taid_schedule, state.taid),
+            ("trace-replay pair cursor", self.pair_cursor, state.pairs),
+        ):
+            if own is not None and saved is None:
+                raise ValueError(
+                    f"the checkpoint has no {name} state, but this run has one; resume with the same config"
+                )
+        if self.sdpo_teacher is not None and state.teacher is not None:
+            self.sdpo_teacher.load_state_dict(state.teacher)
+        if self.taid_schedule is not None and state.taid is not None:
+            self.taid_schedule.load_state_dict(state.taid)
+        if self.pair_cursor is not None and state.pairs is not None:
+            self.pair_cursor.load_state_dict(state.pairs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            self.channel_state().save(folder)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            state = ChannelState.load(checkpoint)
+            if state is not None:
+                self.load_channel_state(state)
+
+
+def _read_pairs(source: Any) -> list[dict[str, Any]]:
+    """Pair records from a crf-replaysim JSONL file (schema-checked) or an iterable of mappings."""
+    if isinstance(source, (str, os.PathLike)):
+        from crf_core.trainer.pair_files import read_pair_file
+
+        return check_pair_records(read_pair_file(source))
+    return check_pair_records(source)
