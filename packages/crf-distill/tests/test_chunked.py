@@ -33,8 +33,8 @@ def _params(*xs):  # type: ignore[no-untyped-def]
 
 
 def _assert_grads(out_a, out_b, params) -> None:  # type: ignore[no-untyped-def]
-    ga = torch.autograd.grad(out_a, params)
-    gb = torch.autograd.grad(out_b, params)
+    ga = torch.autograd.grad(out_a, params, retain_graph=True)
+    gb = torch.autograd.grad(out_b, params, retain_graph=True)
     for a, b in zip(ga, gb, strict=True):
         assert torch.allclose(a, b, atol=1e-10)
 
@@ -170,9 +170,14 @@ def test_chunked_fused_loss_shares_one_pass_between_terms(gen, rand) -> None:  #
     kd = aggregate(generalized_jsd_per_token(logits, teacher, alpha=0.5), kd_mask, "token_mean")
     assert torch.allclose(values[0], ce, atol=1e-12)
     assert torch.allclose(values[1], kd, atol=1e-12)
-    assert not values[0].requires_grad
     assert torch.allclose(total, 0.5 * ce + 2.0 * kd, atol=1e-12)
+    calls.clear()
     _assert_grads(total, 0.5 * ce + 2.0 * kd, [hidden, weight, b])
+    assert not calls  # the total's gradient was taken in the forward pass: nothing is recomputed
+    # each term keeps its own gradient (recomputed on demand)
+    _assert_grads(values[0], ce, [hidden, weight, b])
+    _assert_grads(values[1], kd, [hidden, weight, b])
+    assert sorted(calls) == list(range(10, 20))
     with pytest.raises(ValueError, match="needs the teacher"):
         chunked_fused_loss(hidden, weight, terms)
     with pytest.raises(ValueError, match="only one teacher"):

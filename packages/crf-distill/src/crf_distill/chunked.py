@@ -6,8 +6,12 @@ are processed ``chunk_size`` at a time by :func:`crf_distill.head_scores`, so pe
 
 * :func:`chunked_token_logprobs` — per-token log-probs of labels (for CE, DPO, SimPO, IS ratios).
 * :func:`chunked_fused_loss` — several token-decomposable terms (CE, generalised JSD, KL, TAID,
-  Entropy-OPD: pass their ``*_per_token`` functions) sharing one chunked lm_head pass; returns the weighted
-  total and each term's value. :func:`chunked_distillation_loss` is its one-term token-mean form.
+  Entropy-OPD: pass their ``*_per_token`` functions) sharing one chunked lm_head pass. Because the total is a
+  fixed weighted sum of the rows, its gradient w.r.t. hidden states, weight and bias is computed chunk by chunk
+  *inside the forward* (Liger-Kernel's ``FlexChunkLoss`` strategy: one matmul per chunk for the logits, two for
+  the gradients, the same count as unchunked autograd) and only scaled in the backward. Each term's value is
+  returned too and keeps its own gradient: backpropagating through a single term recomputes the chunks for it.
+  :func:`chunked_distillation_loss` is its one-term token-mean form.
 
 Normalisation: ``chunked_distillation_loss`` is ``Σ_rows ℓ_r·m_r / D`` with ``D = Σ m`` (token mean) unless
 ``num_items`` is given, identical to :func:`crf_distill.aggregate` with ``mode="token_mean"``.
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 
 from crf_distill._checks import check_float_tensor, check_mask
-from crf_distill.head_scores import RowTerm, head_logits, head_scores
+from crf_distill.head_scores import RowTerm, accumulate_head_grads, head_logits, head_scores, weighted_vjp
 from crf_distill.logprobs import compute_dtype
 
 __all__ = [
@@ -159,9 +163,9 @@ def chunked_fused_loss(
     """Several token-decomposable losses sharing one chunked lm_head pass.
 
     Computes ``total = Σ_k scale_k · Σ_r weights_k[r] · ℓ_k(r)`` where ``ℓ_k(r) = term_k.per_token`` on the
-    logits of row ``r`` (``h_r W^T + b``). Each chunk's logits are computed once and shared by all terms (and
-    recomputed once in the backward, see :func:`crf_distill.head_scores`). Teacher logits are computed
-    (``no_grad``) only for rows where a term that needs them has non-zero weight.
+    logits of row ``r`` (``h_r W^T + b``). Each chunk's logits are computed once and shared by all terms, and the
+    total's gradient is taken chunk by chunk in the same pass (see the module docstring). Teacher logits are
+    computed (``no_grad``) only for rows where a term that needs them has non-zero weight.
 
     Args:
         hidden: ``(N, H)`` student last hidden states. weight/bias: student lm_head ``(V, H)`` / ``(V,)``.
@@ -172,8 +176,8 @@ def chunked_fused_loss(
         chunk_size: rows per chunk.
 
     Returns:
-        ``(total, values)``: ``total`` is a differentiable 0-d tensor (gradients w.r.t. hidden/weight/bias; no
-        double backward); ``values[k]`` is the detached ``Σ_r weights_k[r]·ℓ_k(r)``.
+        ``(total, values)``: ``total`` is a differentiable 0-d tensor (gradient precomputed in the forward; no
+        double backward); ``values[k] = Σ_r weights_k[r]·ℓ_k(r)`` is differentiable too (recomputed on demand).
     """
     _check_head(hidden, weight, bias)
     _check_chunk(chunk_size)
@@ -187,13 +191,95 @@ def chunked_fused_loss(
         raise ValueError(
             "a term needs the teacher: pass `teacher_logits` (N, V) or `teacher_hidden` + `teacher_weight`"
         )
-    dtype = compute_dtype(hidden)
-    row_terms = [RowTerm(_with_teacher(term, source), active=term.weights != 0) for term in terms]
-    labels = torch.zeros(n, dtype=torch.long, device=hidden.device)
-    scores = head_scores(hidden, weight, labels, bias=bias, terms=row_terms, chunk_size=chunk_size)
-    parts = [(value * term.weights.to(dtype)).sum() for term, value in zip(terms, scores.values, strict=True)]
-    total = torch.stack([term.scale * part for term, part in zip(terms, parts, strict=True)]).sum()
-    return total, [part.detach() for part in parts]
+    row_terms = tuple(RowTerm(_with_teacher(term, source), active=term.weights != 0) for term in terms)
+    weights = tuple(term.weights for term in terms)
+    scales = tuple(float(term.scale) for term in terms)
+    out = _ChunkedFused.apply(hidden, weight, bias, row_terms, weights, scales, chunk_size)
+    return out[0], list(out[1:])
+
+
+class _ChunkedFused(torch.autograd.Function):
+    """Outputs ``(total, value_1, …, value_K)``; see :func:`chunked_fused_loss`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        terms: tuple[RowTerm, ...],
+        weights: tuple[torch.Tensor, ...],
+        scales: tuple[float, ...],
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        dtype = compute_dtype(hidden)
+        grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
+        values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
+        live = list(zip(terms, weights, scales, strict=True))
+        for start, stop, h, z, rows in _chunks(hidden, weight, bias, chunk_size):
+            dz, sums = weighted_vjp(z, rows, start, stop, live)
+            for total, part in zip(values, sums, strict=True):
+                total += part
+            if dz is not None:
+                accumulate_head_grads(dz, h, weight, 1.0, *_rows_of(grads, start, stop))
+        ctx.save_for_backward(hidden, weight, bias, *weights, *(g if g is not None else torch.empty(0) for g in grads))
+        ctx.present = tuple(g is not None for g in grads)
+        ctx.terms, ctx.scales, ctx.chunk_size = terms, scales, chunk_size
+        total = sum((s * v for s, v in zip(scales, values, strict=True)), torch.zeros((), dtype=dtype))
+        return (total.to(hidden.device), *values)
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor | None, *grad_values: torch.Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, bias, *rest = ctx.saved_tensors
+        k = len(ctx.terms)
+        weights, saved = rest[:k], rest[k:]
+        out: list[torch.Tensor | None] = []
+        for grad, present in zip(saved, ctx.present, strict=True):  # the total's gradient, computed in forward
+            out.append(grad * grad_total.to(grad.dtype) if present and grad_total is not None else None)
+        live = [(t, w, g) for t, w, g in zip(ctx.terms, weights, grad_values, strict=True) if g is not None]
+        if live:  # a term's own value was used: recompute its chunks
+            dtype = compute_dtype(hidden)
+            grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
+            for start, stop, h, z, rows in _chunks(hidden, weight, bias, ctx.chunk_size):
+                dz, _ = weighted_vjp(z, rows, start, stop, live)
+                if dz is not None:
+                    accumulate_head_grads(dz, h, weight, 1.0, *_rows_of(grads, start, stop))
+            out = [a if b is None else b if a is None else a + b for a, b in zip(out, grads, strict=True)]
+        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        result = [None if g is None or d is None else g.to(d) for g, d in zip(out, dtypes, strict=True)]
+        return (*result, None, None, None, None)
+
+
+def _grad_buffers(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    needed: tuple[bool, ...],
+    dtype: torch.dtype,
+) -> list[torch.Tensor | None]:
+    """Zeroed accumulators for ``∂/∂hidden``, ``∂/∂weight``, ``∂/∂bias`` (None where not needed)."""
+    shapes = (hidden.shape, weight.shape, None if bias is None else bias.shape)
+    return [
+        torch.zeros(shape, dtype=dtype, device=hidden.device) if need and shape is not None else None
+        for shape, need in zip(shapes, needed, strict=True)
+    ]
+
+
+def _rows_of(
+    grads: list[torch.Tensor | None], start: int, stop: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    grad_h, grad_w, grad_b = grads
+    return (None if grad_h is None else grad_h[start:stop]), grad_w, grad_b
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_size: int) -> Any:
+    """``(start, stop, h, logits, rows)`` for each chunk of rows."""
+    n = hidden.shape[0]
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        h = hidden[start:stop]
+        yield start, stop, h, head_logits(h, weight, bias), torch.arange(start, stop, device=hidden.device)
 
 
 def _with_teacher(term: ChunkTerm, source: TeacherFn | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -155,16 +155,15 @@ class _ChunkedHeadScores(torch.autograd.Function):
         grad_b = (
             torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b and bias is not None else None
         )
-        live_terms = [(t, g) for t, g in zip(ctx.terms, g_terms, strict=True) if g is not None]
+        live_terms = [(t, g, 1.0) for t, g in zip(ctx.terms, g_terms, strict=True) if g is not None]
         if g_lp is None and g_h is None and not live_terms:
             return (None,) * 8
-        w_mm = weight if weight.dtype in (torch.float16, torch.bfloat16) else weight.to(dtype)
         for start in range(0, n, ctx.chunk_size):
             stop = min(start + ctx.chunk_size, n)
             h = hidden[start:stop]
             z = head_logits(h, weight, bias, ctx.temperature)
             rows = torch.arange(start, stop, device=hidden.device)
-            dz = _term_grads(z, rows, live_terms, start, stop)  # ∂(Σ_k g_k·term_k)/∂z, or None
+            dz, _ = weighted_vjp(z, rows, start, stop, live_terms)  # ∂(Σ_k g_k·term_k)/∂z, or None
             if g_lp is not None or g_h is not None:
                 log_p = z.sub_(lse[start:stop].unsqueeze(-1))  # z is not needed any more: reuse its storage
                 p = torch.exp(log_p)
@@ -183,17 +182,9 @@ class _ChunkedHeadScores(torch.autograd.Function):
                 dz = log_p if dz is None else dz.add_(log_p)
             if dz is None:  # nothing flows back through this chunk
                 continue
-            if ctx.temperature != 1.0:
-                dz.div_(ctx.temperature)
-            if grad_h is not None:
-                if w_mm.dtype != dtype:
-                    grad_h[start:stop] = (dz.to(w_mm.dtype) @ w_mm).to(dtype)
-                else:
-                    grad_h[start:stop] = dz @ w_mm
-            if grad_w is not None:
-                grad_w.addmm_(dz.t(), h.to(dtype))
-            if grad_b is not None:
-                grad_b.add_(dz.sum(0))
+            accumulate_head_grads(
+                dz, h, weight, ctx.temperature, None if grad_h is None else grad_h[start:stop], grad_w, grad_b
+            )
             del z, dz
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
@@ -207,28 +198,58 @@ class _ChunkedHeadScores(torch.autograd.Function):
         )
 
 
-def _term_grads(
+def weighted_vjp(
     z: torch.Tensor,
     rows: torch.Tensor,
-    live: Sequence[tuple[RowTerm, torch.Tensor]],
     start: int,
     stop: int,
-) -> torch.Tensor | None:
-    """``Σ_k ∂(g_k · term_k(z))/∂z`` for one chunk (autograd on a detached copy of the chunk's logits)."""
-    total: torch.Tensor | None = None
-    for term, grad in live:
-        sel = _selected(term.active, start, stop)
-        if sel is not None and sel.numel() == 0:
-            continue
-        with torch.enable_grad():
-            leaf = z.detach().requires_grad_(True)
+    live: Sequence[tuple[RowTerm, torch.Tensor, float | torch.Tensor]],
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """For one chunk ``[start, stop)`` of logits ``z`` ``(n, V)``: ``∂(Σ_k s_k Σ_r c_k,r·term_k(z)_r)/∂z`` and the
+    detached sums ``Σ_r c_k,r·term_k(z)_r``, for ``(term_k, c_k (N,), s_k)`` in ``live`` (autograd on a detached
+    copy of the chunk; inactive rows are left out)."""
+    sums: list[torch.Tensor] = []
+    with torch.enable_grad():
+        leaf = z.detach().requires_grad_(True)
+        total: torch.Tensor | None = None
+        for term, coeff, scale in live:
+            sel = _selected(term.active, start, stop)
+            if sel is not None and sel.numel() == 0:
+                sums.append(torch.zeros((), dtype=z.dtype, device=z.device))
+                continue
             picked = leaf if sel is None else leaf[sel]
-            g = grad[start:stop] if sel is None else grad[start + sel]
-            value = term.fn(picked, rows if sel is None else rows[sel])
-            (dz,) = torch.autograd.grad((value * g.to(value.dtype)).sum(), leaf, allow_unused=True)
-        if dz is not None:
-            total = dz if total is None else total.add_(dz)
-    return total
+            c = coeff[start:stop] if sel is None else coeff[start + sel]
+            value = (term.fn(picked, rows if sel is None else rows[sel]) * c.to(z.dtype)).sum()
+            sums.append(value.detach())
+            total = value * scale if total is None else total + value * scale
+        if total is None or not total.requires_grad:
+            return None, sums
+        (dz,) = torch.autograd.grad(total, leaf)
+    return dz, sums
+
+
+def accumulate_head_grads(
+    dz: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+) -> None:
+    """Turn one chunk's ``∂L/∂z`` (temperature-scaled logits) into its ``∂L/∂h`` rows (written to ``grad_h``, the
+    chunk's slice) and add its ``∂L/∂W`` and ``∂L/∂b`` contributions in place."""
+    if temperature != 1.0:
+        dz = dz / temperature
+    if grad_h is not None:
+        if weight.dtype in (torch.float16, torch.bfloat16):
+            grad_h.copy_((dz.to(weight.dtype) @ weight).to(grad_h.dtype))
+        else:
+            torch.mm(dz, weight.to(dz.dtype), out=grad_h)
+    if grad_w is not None:
+        grad_w.addmm_(dz.t(), h.to(dz.dtype))
+    if grad_b is not None:
+        grad_b.add_(dz.sum(0))
 
 
 def _check_inputs(
