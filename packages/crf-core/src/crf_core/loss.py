@@ -35,8 +35,9 @@ from crf_core.channels import (
     SequenceBatch,
     TraceReplayDPOChannel,
     hidden_source,
-    lm_ce_loss,
+    lm_ce_term,
     logits_source,
+    mean_weights,
 )
 from crf_distill import TAIDSchedule, taid_linear_t
 
@@ -130,7 +131,6 @@ class _SDPORows:
 
     targets: SDPOTargets
     weights: torch.Tensor  # (N,) completion_mask · self_distillation_mask, 0 outside the completion
-    old: torch.Tensor | None  # (N,) behaviour log-probs for sdpo_is_clip (None: on-policy)
 
 
 def _sdpo_rows(
@@ -196,7 +196,8 @@ def _sdpo_rows(
         old = torch.zeros(batch, seq - 1, dtype=given.dtype, device=given.device)
         old[:, first:] = given
         old = old.reshape(-1)
-    return _SDPORows(SDPOTargets(teacher, taid_t, anchor), weights.reshape(-1), old)
+    targets = SDPOTargets(teacher, taid_t, anchor, labels=ids[:, 1:].reshape(-1), old_logprobs=old)
+    return _SDPORows(targets, weights.reshape(-1))
 
 
 def _pair_side(inputs: Mapping[str, Any], side: str, pairs: int | None) -> SequenceBatch:
@@ -372,13 +373,15 @@ def compose_loss(
 
     states = head.states(ids, attention)
     rows = states.tensor[:, :-1].reshape(-1, states.tensor.shape[-1])
-    terms = [] if sdpo_rows is None else [sdpo_channel.term(sdpo_rows.targets, sdpo_rows.weights > 0)]
-    scores = head.score(rows, ids[:, 1:].reshape(-1), is_logits=states.is_logits, terms=terms)
-    lm_ce = lm_ce_loss(scores.logprobs, response.reshape(-1))
-    if sdpo_rows is None:
-        sdpo = torch.zeros((), dtype=lm_ce.dtype, device=lm_ce.device)
-    else:
-        sdpo = sdpo_channel.loss(scores.values[0], sdpo_rows.weights, scores.logprobs, sdpo_rows.old)
+    labels, mask = ids[:, 1:].reshape(-1), response.reshape(-1)
+    terms, weights, scales = [lm_ce_term(labels, mask)], [mean_weights(mask)], [lm_w]
+    if sdpo_rows is not None:
+        terms.append(sdpo_channel.term(sdpo_rows.targets, sdpo_rows.weights > 0))
+        weights.append(mean_weights(sdpo_rows.weights))
+        scales.append(sdpo_w)
+    fused, values = head.weighted_sums(rows, is_logits=states.is_logits, terms=terms, weights=weights, scales=scales)
+    lm_ce = values[0]
+    sdpo = values[1] if sdpo_rows is not None else torch.zeros((), dtype=lm_ce.dtype, device=lm_ce.device)
     sdpo_tokens = 0 if sdpo_rows is None else int((sdpo_rows.weights != 0).sum())
 
     dpo, pairs = torch.zeros((), dtype=torch.float32, device=ids.device), 0
@@ -389,7 +392,7 @@ def compose_loss(
         lm_ce=lm_ce,
         sdpo_jsd=sdpo,
         trace_replay_dpo=dpo,
-        total=lm_w * lm_ce + sdpo_w * sdpo + dpo_w * dpo,
+        total=fused + dpo_w * dpo,
         taid_t=taid_t,
         sdpo_tokens=sdpo_tokens,
         dpo_pairs=pairs,

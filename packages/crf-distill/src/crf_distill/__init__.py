@@ -6,7 +6,13 @@ shapes. Masks are 1 on response tokens and 0 on prompt/padding throughout.
 
 from crf_distill._version import __version__
 from crf_distill.aggregate import Aggregation, aggregate
-from crf_distill.chunked import ChunkTerm, chunked_distillation_loss, chunked_fused_loss, chunked_token_logprobs
+from crf_distill.chunked import (
+    ChunkTerm,
+    chunked_distillation_loss,
+    chunked_fused_loss,
+    chunked_token_logprobs,
+    chunked_weighted_sums,
+)
 from crf_distill.dpo import DPO_LOSS_TYPES, dpo_loss
 from crf_distill.entropy_opd import entropy_opd_loss, entropy_opd_per_token, teacher_entropy_gate, token_entropy
 from crf_distill.head_scores import HeadScores, RowTerm, head_logits, head_scores, logit_scores
@@ -29,6 +35,7 @@ __all__ = [
     "chunked_distillation_loss",
     "chunked_fused_loss",
     "chunked_token_logprobs",
+    "chunked_weighted_sums",
     "dpo_loss",
     "entropy_opd_loss",
     "entropy_opd_per_token",

@@ -36,6 +36,7 @@ __all__ = [
     "chunked_distillation_loss",
     "chunked_fused_loss",
     "chunked_token_logprobs",
+    "chunked_weighted_sums",
 ]
 
 PerTokenLoss = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
@@ -191,10 +192,60 @@ def chunked_fused_loss(
         raise ValueError(
             "a term needs the teacher: pass `teacher_logits` (N, V) or `teacher_hidden` + `teacher_weight`"
         )
-    row_terms = tuple(RowTerm(_with_teacher(term, source), active=term.weights != 0) for term in terms)
-    weights = tuple(term.weights for term in terms)
-    scales = tuple(float(term.scale) for term in terms)
-    out = _ChunkedFused.apply(hidden, weight, bias, row_terms, weights, scales, chunk_size)
+    row_terms = [RowTerm(_with_teacher(term, source), active=term.weights != 0) for term in terms]
+    return chunked_weighted_sums(
+        hidden,
+        weight,
+        row_terms,
+        [term.weights for term in terms],
+        [float(term.scale) for term in terms],
+        bias=bias,
+        chunk_size=chunk_size,
+    )
+
+
+def chunked_weighted_sums(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    terms: Sequence[RowTerm],
+    weights: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``values[k] = Σ_r weights[k][r]·terms[k].fn(z_r)`` and ``total = Σ_k scales[k]·values[k]`` over the rows of
+    ``z = (h Wᵀ + b) / τ``, chunked, with the total's gradient taken in the forward (see the module docstring).
+
+    Args:
+        hidden: ``(N, H)``. weight: ``(V, H)``; bias: ``(V,)``. terms: the row functions (their ``active``
+            masks skip rows). weights: one ``(N,)`` tensor per term (e.g. a normalised mask). scales: one float
+            per term. temperature: ``τ > 0``. chunk_size: rows per chunk.
+
+    Returns:
+        ``(total, values)``, all differentiable 0-d tensors (no double backward).
+    """
+    _check_head(hidden, weight, bias)
+    _check_chunk(chunk_size)
+    if not (len(terms) == len(weights) == len(scales)) or not terms:
+        raise ValueError("pass one weights tensor and one scale per term, and at least one term")
+    for k, (term, w) in enumerate(zip(terms, weights, strict=True)):
+        if not isinstance(term, RowTerm):
+            raise TypeError(f"`terms[{k}]` must be a RowTerm, got {type(term).__name__}")
+        check_mask(f"weights[{k}]", w, hidden.shape[:1])
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"`temperature` must be a float > 0, got {temperature!r}")
+    out = _ChunkedFused.apply(
+        hidden,
+        weight,
+        bias,
+        tuple(terms),
+        tuple(weights),
+        tuple(float(s) for s in scales),
+        float(temperature),
+        chunk_size,
+    )
     return out[0], list(out[1:])
 
 
@@ -210,6 +261,7 @@ class _ChunkedFused(torch.autograd.Function):
         terms: tuple[RowTerm, ...],
         weights: tuple[torch.Tensor, ...],
         scales: tuple[float, ...],
+        temperature: float,
         chunk_size: int,
     ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
@@ -217,15 +269,15 @@ class _ChunkedFused(torch.autograd.Function):
         grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
         values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
         live = list(zip(terms, weights, scales, strict=True))
-        for start, stop, h, z, rows in _chunks(hidden, weight, bias, chunk_size):
+        for start, stop, h, z, rows in _chunks(hidden, weight, bias, temperature, chunk_size):
             dz, sums = weighted_vjp(z, rows, start, stop, live)
             for total, part in zip(values, sums, strict=True):
                 total += part
             if dz is not None:
-                accumulate_head_grads(dz, h, weight, 1.0, *_rows_of(grads, start, stop))
+                accumulate_head_grads(dz, h, weight, temperature, *_rows_of(grads, start, stop))
         ctx.save_for_backward(hidden, weight, bias, *weights, *(g if g is not None else torch.empty(0) for g in grads))
         ctx.present = tuple(g is not None for g in grads)
-        ctx.terms, ctx.scales, ctx.chunk_size = terms, scales, chunk_size
+        ctx.terms, ctx.scales, ctx.temperature, ctx.chunk_size = terms, scales, temperature, chunk_size
         total = sum((s * v for s, v in zip(scales, values, strict=True)), torch.zeros((), dtype=dtype))
         return (total.to(hidden.device), *values)
 
@@ -241,14 +293,14 @@ class _ChunkedFused(torch.autograd.Function):
         if live:  # a term's own value was used: recompute its chunks
             dtype = compute_dtype(hidden)
             grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
-            for start, stop, h, z, rows in _chunks(hidden, weight, bias, ctx.chunk_size):
+            for start, stop, h, z, rows in _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size):
                 dz, _ = weighted_vjp(z, rows, start, stop, live)
                 if dz is not None:
-                    accumulate_head_grads(dz, h, weight, 1.0, *_rows_of(grads, start, stop))
+                    accumulate_head_grads(dz, h, weight, ctx.temperature, *_rows_of(grads, start, stop))
             out = [a if b is None else b if a is None else a + b for a, b in zip(out, grads, strict=True)]
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         result = [None if g is None or d is None else g.to(d) for g, d in zip(out, dtypes, strict=True)]
-        return (*result, None, None, None, None)
+        return (*result, None, None, None, None, None)
 
 
 def _grad_buffers(
@@ -273,13 +325,16 @@ def _rows_of(
     return (None if grad_h is None else grad_h[start:stop]), grad_w, grad_b
 
 
-def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_size: int) -> Any:
+def _chunks(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, chunk_size: int
+) -> Any:
     """``(start, stop, h, logits, rows)`` for each chunk of rows."""
     n = hidden.shape[0]
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         h = hidden[start:stop]
-        yield start, stop, h, head_logits(h, weight, bias), torch.arange(start, stop, device=hidden.device)
+        z = head_logits(h, weight, bias, temperature)
+        yield start, stop, h, z, torch.arange(start, stop, device=hidden.device)
 
 
 def _with_teacher(term: ChunkTerm, source: TeacherFn | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -9,8 +9,17 @@
 """
 
 from crf_core.channels.grpo import CompletionScores, score_completions
-from crf_core.channels.head import ChunkPlan, HeadStates, LMHead, RowSource, hidden_source, logits_source
-from crf_core.channels.lm_ce import lm_ce_loss
+from crf_core.channels.head import (
+    ChunkPlan,
+    HeadStates,
+    LMHead,
+    RowSource,
+    hidden_source,
+    logits_source,
+    mean_weights,
+    token_mean,
+)
+from crf_core.channels.lm_ce import lm_ce_term
 from crf_core.channels.sdpo import SDPO_WRAPPERS, SDPOChannel, SDPOConfig, SDPOTargets
 from crf_core.channels.trace_replay_dpo import (
     DPO_VARIANTS,
@@ -38,7 +47,9 @@ __all__ = [
     "SequenceLogps",
     "TraceReplayDPOChannel",
     "hidden_source",
-    "lm_ce_loss",
+    "lm_ce_term",
     "logits_source",
+    "mean_weights",
     "score_completions",
+    "token_mean",
 ]

@@ -22,9 +22,18 @@ from typing import Any, Literal
 
 import torch
 
-from crf_distill import HeadScores, RowTerm, head_logits, head_scores, logit_scores
+from crf_distill import HeadScores, RowTerm, chunked_weighted_sums, head_logits, head_scores, logit_scores
 
-__all__ = ["ChunkPlan", "HeadStates", "LMHead", "RowSource", "hidden_source", "logits_source"]
+__all__ = [
+    "ChunkPlan",
+    "HeadStates",
+    "LMHead",
+    "RowSource",
+    "hidden_source",
+    "logits_source",
+    "mean_weights",
+    "token_mean",
+]
 
 MIB = 1 << 20
 ChunkMode = Literal["auto", "on", "off"]
@@ -191,10 +200,55 @@ class LMHead:
             chunk_size=chunk,
         )
 
+    def weighted_sums(
+        self,
+        rows: torch.Tensor,
+        *,
+        is_logits: bool,
+        terms: Sequence[RowTerm],
+        weights: Sequence[torch.Tensor],
+        scales: Sequence[float],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``values[k] = Σ_r weights[k][r]·terms[k](row r)`` and ``total = Σ_k scales[k]·values[k]``.
+
+        For losses that are a fixed weighted sum of per-row terms (``compose_loss``): chunked, the total's
+        gradient is taken inside the forward (as many matmuls as unchunked autograd); every value keeps its own
+        gradient either way.
+        """
+        chunk = None if is_logits else self.plan.rows(rows.shape[0], self.weight.shape[0])
+        if chunk is not None:
+            return chunked_weighted_sums(
+                rows,
+                self.weight,
+                terms,
+                weights,
+                scales,
+                bias=self.bias,
+                temperature=self.temperature,
+                chunk_size=chunk,
+            )
+        labels = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+        scores = self.score(rows, labels, is_logits=is_logits, terms=terms)
+        values = [(v * w.to(v.dtype)).sum() for v, w in zip(scores.values, weights, strict=True)]
+        total = torch.stack([s * v for s, v in zip(scales, values, strict=True)]).sum()
+        return total, values
+
     def project(self, rows: torch.Tensor) -> torch.Tensor:
         """No-grad ``(n, V)`` logits of ``(n, H)`` states (temperature applied), for teacher-like sources."""
         with torch.no_grad():
             return head_logits(rows, self.weight, self.bias, self.temperature)
+
+
+def mean_weights(mask: torch.Tensor) -> torch.Tensor:
+    """``m / Σ m`` as float32 (float64 stays), 0 everywhere when ``Σ m = 0``: the weights of a token mean."""
+    w = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
+    total = w.sum()
+    return w / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``Σ_r m_r·v_r / Σ_r m_r`` (0 when the mask is empty)."""
+    return (values * mean_weights(mask).to(values.dtype)).sum()
 
 
 @contextmanager

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["lm_ce_loss"]
+from crf_distill import RowTerm, token_logprobs
+
+__all__ = ["lm_ce_term"]
 
 
-def lm_ce_loss(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Token-mean negative log-likelihood of ``(N,)`` label log-probs under ``(N,)`` weights (0 if none)."""
-    w = weights.to(logprobs.dtype)
-    total = w.sum()
-    return -(logprobs * w).sum() / torch.where(total > 0, total, torch.ones_like(total))
+def lm_ce_term(labels: torch.Tensor, mask: torch.Tensor) -> RowTerm:
+    """The per-row negative log-likelihood ``−log p(y_r)`` of ``labels`` ``(N,)`` on the rows where ``mask > 0``
+    (token-average it with the mask's :func:`~crf_core.channels.head.mean_weights`)."""
+    return RowTerm(lambda z, rows: -token_logprobs(z, labels[rows], ignore_index=None), active=mask > 0)

@@ -16,9 +16,9 @@ under no-grad on ``[reprompt ; completion]``), both at the sampling temperature:
   ``is_clip`` is None).
 * ``m`` is the completion mask times the per-sample ``self_distillation_mask`` (samples with a teacher signal).
 
-The channel is one :class:`~crf_distill.RowTerm` scored in the same LM-head pass as the student's label
-log-probs (see ``crf_core.channels.head``), so it never needs its own ``(B, C, V)`` logits. Used unchanged by
-``compose_loss`` and by ``ComposerReplicationTrainer``.
+The channel is one :class:`~crf_distill.RowTerm` (``D·w`` per row) scored in the same LM-head pass as the
+student's other rows (see ``crf_core.channels.head``), so it never needs its own ``(B, C, V)`` logits, then a
+token mean. Used unchanged by ``compose_loss`` and by ``ComposerReplicationTrainer``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from crf_distill import (
     generalized_jsd_per_token,
     is_ratio_weight,
     taid_target_logprobs,
+    token_logprobs,
 )
 
 __all__ = ["SDPO_WRAPPERS", "SDPOChannel", "SDPOConfig", "SDPOTargets"]
@@ -108,15 +109,22 @@ class SDPOTargets:
         teacher: teacher logits of each scored row (no grad).
         taid_t: TAID's interpolation coefficient in [0, 1] (``wrapper="taid"`` only).
         anchor: TAID anchor logits of each scored row; None anchors on the current detached student (paper).
+        labels: ``(N,)`` sampled token of each scored row (for ``is_clip``).
+        old_logprobs: ``(N,)`` behaviour log-probs of those tokens; None is on-policy (the IS weight is then the
+            constant ``min(1, is_clip)``).
     """
 
     teacher: RowSource
     taid_t: float | None = None
     anchor: RowSource | None = None
+    labels: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
 
 
 class SDPOChannel:
-    """The SDPO channel (see the module docstring): a row term for the head pass, then its token mean."""
+    """The SDPO channel (see the module docstring): a row term for the head pass, token-averaged over the mask
+    ``m`` (use :func:`crf_core.channels.head.token_mean` or :meth:`LMHead.weighted_sums` with
+    :func:`~crf_core.channels.head.mean_weights`)."""
 
     def __init__(self, config: SDPOConfig) -> None:
         if not isinstance(config, SDPOConfig):
@@ -124,7 +132,7 @@ class SDPOChannel:
         self.config = config
 
     def term(self, targets: SDPOTargets, active: torch.Tensor) -> RowTerm:
-        """The per-row divergence ``D(S_r, target_r)`` on the ``active`` ``(N,)`` rows (no IS weight, no mean)."""
+        """The per-row loss ``D(S_r, target_r)·w_r`` on the ``active`` ``(N,)`` rows (before the token mean)."""
         cfg = self.config
         if cfg.wrapper == "taid":
             if targets.taid_t is None:
@@ -132,6 +140,20 @@ class SDPOChannel:
             check_unit("taid t", targets.taid_t)
         elif targets.taid_t is not None or targets.anchor is not None:
             raise ValueError("a TAID coefficient or anchor was given but sdpo_wrapper is not 'taid'")
+
+        clip = cfg.is_clip
+        if clip is not None and targets.old_logprobs is not None and targets.labels is None:
+            raise ValueError("sdpo_is_clip with behaviour log-probs needs the sampled token of each row (labels)")
+
+        def per_row(student: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            value = divergence(student, rows)
+            if clip is None:
+                return value
+            if targets.old_logprobs is None:  # on-policy: π_θ/π_old = 1
+                return value * min(1.0, clip)
+            assert targets.labels is not None
+            lp = token_logprobs(student, targets.labels[rows], ignore_index=None)
+            return value * is_ratio_weight(lp, targets.old_logprobs[rows].to(lp.dtype), clip)
 
         def divergence(student: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             target = targets.teacher(rows)
@@ -153,28 +175,4 @@ class SDPOChannel:
                 )
             return generalized_jsd_per_token(student, target, alpha=cfg.alpha, top_k=cfg.top_k, add_tail=cfg.add_tail)
 
-        return RowTerm(divergence, active=active)
-
-    def loss(
-        self,
-        values: torch.Tensor,
-        weights: torch.Tensor,
-        logprobs: torch.Tensor | None = None,
-        old_logprobs: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``Σ_r m_r·w_r·D_r / Σ_r m_r`` over rows (0 when no row has weight).
-
-        Args:
-            values: ``(N,)`` the term's per-row divergences. weights: ``(N,)`` the mask ``m`` (>= 0).
-            logprobs: ``(N,)`` student log-probs of the sampled tokens (for ``is_clip``).
-            old_logprobs: ``(N,)`` behaviour log-probs; None means on-policy (the IS weight is then 1 ∧ clip).
-        """
-        per_row = values
-        if self.config.is_clip is not None:
-            if logprobs is None:
-                raise ValueError("sdpo_is_clip needs the student's log-probs of the sampled tokens")
-            old = logprobs.detach() if old_logprobs is None else old_logprobs
-            per_row = per_row * is_ratio_weight(logprobs, old, self.config.is_clip)
-        w = weights.to(per_row.dtype)
-        total = w.sum()
-        return (per_row * w).sum() / torch.where(total > 0, total, torch.ones_like(total))
+        return RowTerm(per_row, active=active)

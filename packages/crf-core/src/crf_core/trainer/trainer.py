@@ -55,6 +55,7 @@ from crf_core.channels import (
     TraceReplayDPOChannel,
     hidden_source,
     score_completions,
+    token_mean,
 )
 from crf_core.trainer._trl_contract import (
     GENERATION_OUTPUT_KEYS,
@@ -440,11 +441,18 @@ class ComposerReplicationTrainer(GRPOTrainer):
         slot = torch.full((signal.shape[0],), -1, dtype=torch.long, device=signal.device)
         slot[rows] = torch.arange(rows.numel(), device=signal.device)
         sdpo, taid_t = self.sdpo, None if self.taid_schedule is None else self.taid_schedule.t
+        old = inputs.get("old_per_token_logps")
 
         def factory(sample: torch.Tensor, position: torch.Tensor) -> RowTerm:
             index = slot[sample].clamp_min(0) * c + position
             active = signal[sample] & (token_mask[sample, position] > 0)
-            return sdpo.term(SDPOTargets(hidden_source(teacher, flat, lambda r: index[r]), taid_t=taid_t), active)
+            targets = SDPOTargets(
+                hidden_source(teacher, flat, lambda r: index[r]),
+                taid_t=taid_t,
+                labels=completion_ids[sample, position],
+                old_logprobs=None if old is None else old[sample, position],
+            )
+            return sdpo.term(targets, active)
 
         shape = (completion_ids.shape[0], inputs["prompt_ids"].shape[1] + c)
         return _SharedSDPO(factory, shape, c), token_mask * signal[:, None]
@@ -457,13 +465,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             scores = score_completions(self._head(model), ids, mask, shared.logits_to_keep, extra=shared.factory)
         assert scores.extra is not None
-        old = inputs.get("old_per_token_logps")
-        return self.sdpo.loss(
-            scores.extra.reshape(-1),
-            weights.reshape(-1),
-            scores.logps.reshape(-1),
-            None if old is None else old.reshape(-1),
-        )
+        return token_mean(scores.extra, weights)
 
     def sdpo_channel_loss(self, model: Any, inputs: Mapping[str, Any]) -> torch.Tensor | None:
         """The SDPO loss of one micro-batch (before weight and GA scaling); None if no sample has a teacher signal."""
