@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("huggingface_hub", reason="huggingface_hub is not installed (pip install 'crf-diloco[hf]')")
 
-from crf_diloco.executors import HFJobsExecutor, ReplicaResult, ServerlessExecutor, run_replicas  # noqa: E402
-from crf_diloco.executors.hf_jobs import DEFAULT_IMAGE, LABEL_RANK, LABEL_RUN_ID  # noqa: E402
+from crf_diloco.executors import HFJobsExecutor, ReplicaResult, ServerlessExecutor, run_replicas
+from crf_diloco.executors.hf_jobs import DEFAULT_IMAGE, LABEL_RANK, LABEL_RUN_ID
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +146,12 @@ def test_hf_jobs_replicas_get_the_env_contract_and_secrets_only_as_job_secrets(
     assert all(r.ok and r.returncode == 0 for r in results), [r.describe() for r in results]
     for rank, result in enumerate(results):
         record = first_json_line(result)
-        assert (record["rank"], record["world_size"], record["uri"], record["run_id"]) == (rank, 3, "s3://bucket/runs", "hf-run")
+        assert (record["rank"], record["world_size"], record["uri"], record["run_id"]) == (
+            rank,
+            3,
+            "s3://bucket/runs",
+            "hf-run",
+        )
         assert record["extra_argv"] == ["--lr", "0.1"]
         assert record["env"] == {
             "MY_FLAG": "on",
@@ -170,7 +176,9 @@ def test_hf_jobs_replicas_get_the_env_contract_and_secrets_only_as_job_secrets(
             LABEL_RUN_ID: "hf-run",
             LABEL_RANK: str(rank),
         }
-        assert spec["command"] == behave(*[a for name in show for a in ("--show-env", name)], "--lines", "2", "--lr", "0.1")
+        assert spec["command"] == behave(
+            *[a for name in show for a in ("--show-env", name)], "--lines", "2", "--lr", "0.1"
+        )
         assert spec["environment"] == {
             "PYTHONUNBUFFERED": "1",
             "MY_FLAG": "on",
@@ -205,7 +213,9 @@ def test_hf_jobs_a_killed_job_is_reported_and_the_others_are_cancelled(
     results = executor.collect(handles, timeout=120)
     assert time.monotonic() - start < 60
     killed = results[1]
-    assert not killed.ok and killed.returncode is None and not killed.timed_out
+    assert not killed.ok
+    assert killed.returncode is None
+    assert not killed.timed_out
     assert killed.error == f"job {handles[1].job_id} failed (stage ERROR): Job failed with exit code: 137"
     assert "stderr line of rank 1" in killed.stderr_tail  # the log up to the kill came back
     for rank in (0, 2):
@@ -228,7 +238,8 @@ def test_hf_jobs_without_cancel_on_failure_the_survivors_finish(make_executor: C
         timeout=120,
     )
     assert [r.ok for r in results] == [True, False, True]
-    assert results[1].error is not None and results[1].error.endswith("Job failed with exit code: 3")
+    assert results[1].error is not None
+    assert results[1].error.endswith("Job failed with exit code: 3")
     assert results[1].stderr_tail.splitlines()[-1] == "loss is NaN"
 
 
@@ -236,11 +247,14 @@ def test_hf_jobs_timeout_cancels_the_late_jobs(
     jobs_server: JobsServer, make_executor: Callable[..., HFJobsExecutor]
 ) -> None:
     executor = make_executor()
-    handles = executor.launch_replicas(behave("--fail-rank", "1", "--fail-sleep", "120"), world_size=2, uri="memory://x")
+    handles = executor.launch_replicas(
+        behave("--fail-rank", "1", "--fail-sleep", "120"), world_size=2, uri="memory://x"
+    )
     results = executor.collect(handles, timeout=4)
     assert results[0].ok
     late = results[1]
-    assert late.timed_out and late.returncode is None
+    assert late.timed_out
+    assert late.returncode is None
     assert late.error == f"timed out after 4 s; job {handles[1].job_id} was cancelled (stage CANCELED)"
     assert "stderr line of rank 1" in late.stdout_tail
     assert [j["stage"] for j in jobs_server.jobs()] == ["COMPLETED", "CANCELED"]
@@ -333,10 +347,9 @@ def test_adversarial_server_lying_running_forever_is_timed_out_and_given_up(
     results = run_replicas(executor, behave(), world_size=2, uri="memory://x", timeout=3)
     assert time.monotonic() - start < 30
     assert results[0].ok
-    assert results[1].timed_out and results[1].returncode is None
-    assert results[1].error == (
-        "timed out after 3 s; the backend did not report an end within 1 s of the cancel"
-    )
+    assert results[1].timed_out
+    assert results[1].returncode is None
+    assert results[1].error == ("timed out after 3 s; the backend did not report an end within 1 s of the cancel")
 
 
 def test_adversarial_unknown_stage_counts_as_running_until_the_deadline(
@@ -344,7 +357,8 @@ def test_adversarial_unknown_stage_counts_as_running_until_the_deadline(
 ) -> None:
     jobs_server.behave(lie_stage={"0": "EXPLODED"})
     results = run_replicas(make_executor(cancel_grace_s=1.0), behave(), world_size=1, uri="memory://x", timeout=2)
-    assert results[0].timed_out and not results[0].ok
+    assert results[0].timed_out
+    assert not results[0].ok
     assert "unknown stage 'EXPLODED'" in caplog.text
 
 
@@ -355,9 +369,11 @@ def test_adversarial_garbage_status_loses_contact_and_cancels_everything(
     executor = make_executor(lost_contact_s=1.0, cancel_grace_s=5.0)
     results = run_replicas(executor, behave("--sleep", "120"), world_size=2, uri="memory://x", timeout=60)
     assert results[0].returncode is None
-    assert results[0].error is not None and results[0].error.startswith("lost contact with the backend for ")
+    assert results[0].error is not None
+    assert results[0].error.startswith("lost contact with the backend for ")
     assert "last error" in results[0].error
-    assert results[1].error is not None and results[1].error.startswith("cancelled after rank 0 failed")
+    assert results[1].error is not None
+    assert results[1].error.startswith("cancelled after rank 0 failed")
     jobs_server.wait_for(lambda jobs: [j["stage"] for j in jobs] == ["CANCELED", "CANCELED"])
 
 
@@ -379,9 +395,11 @@ def test_adversarial_rejected_submission_echoing_secrets_cancels_the_submitted_j
     message = str(info.value)
     assert re.match(r"submitting the job of rank 2 failed \(\w+: HTTP 429: ", message), message
     assert "Quota exceeded" in message
-    assert RUN_SECRET not in message and "***" in message
+    assert RUN_SECRET not in message
+    assert "***" in message
     assert message.endswith("the 2 job(s) already submitted were cancelled")
-    assert info.value.__cause__ is None and info.value.__suppress_context__  # the raw error is not chained
+    assert info.value.__cause__ is None
+    assert info.value.__suppress_context__
     jobs_server.wait_for(lambda jobs: [j["stage"] for j in jobs] == ["CANCELED", "CANCELED"])
 
 
@@ -419,11 +437,16 @@ def test_adversarial_secrets_printed_by_a_replica_are_masked_everywhere(
     seen: list[str] = []
     executor = make_executor(secrets={"CRF_DILOCO_SECRET": RUN_SECRET, "GCP_CREDENTIALS_JSON": key_file})
     (result,) = run_replicas(
-        executor, ["python", str(script)], world_size=1, uri="memory://x", on_output=lambda r, s, l: seen.append(l)
+        executor,
+        ["python", str(script)],
+        world_size=1,
+        uri="memory://x",
+        on_output=lambda r, s, line: seen.append(line),
     )
     assert not result.ok
     text = "\n".join([*seen, result.stdout_tail, result.stderr_tail, result.error or ""])
-    assert "secret is ***" in text and "failing with ***" in text
+    assert "secret is ***" in text
+    assert "failing with ***" in text
     assert RUN_SECRET not in text
     for line in key_file.splitlines():
         assert line not in text
@@ -465,3 +488,59 @@ def test_adversarial_broken_output_callback_does_not_stop_the_run(make_executor:
     results = run_replicas(make_executor(), behave("--lines", "50"), world_size=2, uri="memory://x", on_output=broken)
     assert all(r.ok for r in results)
     assert results[0].stdout_tail.splitlines()[-1] == "line 49 of rank 0"
+
+
+# -- the whole chain a user meets: crf-diloco launch --executor hf, HF_ENDPOINT, S3, real DiLoCo --------------------
+
+
+def test_cli_launch_hf_trains_diloco_through_the_jobs_endpoint_and_s3(
+    jobs_server: JobsServer, moto_s3: dict[str, Any], tmp_path: Path
+) -> None:
+    """CLI → HFJobsExecutor → huggingface_hub → jobs endpoint → 2 jobs running the shipped script → s3fs → moto.
+
+    The script travels inside the job command; the S3 secret key travels as a job secret (``--secret``); both
+    replicas train a model with torchft's DiLoCo and end with bit-identical weights.
+    """
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    out.mkdir()
+    s3_secret = "s3-secret-key-71c4e9b0d2"
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": jobs_server.url,
+        "HF_TOKEN": TOKEN,
+        "AWS_SECRET_ACCESS_KEY": s3_secret,
+    }
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "crf_diloco", "launch", "--executor", "hf", "--no-pip", "--replicas", "2",
+            "--uri", f"s3://{moto_s3['bucket']}/hf-diloco", "--run-id", "hf-e2e", "--timeout", "400",
+            "--env", f"AWS_ENDPOINT_URL={moto_s3['endpoint']}", "--env", "AWS_ACCESS_KEY_ID=crf-key-id",
+            "--env", "AWS_DEFAULT_REGION=us-east-1", "--secret", "AWS_SECRET_ACCESS_KEY", "--hf-flavor", "cpu-upgrade",
+            str(TESTS / "replica_scripts" / "diloco_replica.py"), "--out", str(out), "--steps", "12", "--sync-every", "4",
+        ],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=480,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "crf-diloco: run hf-e2e: 2 of 2 replicas succeeded" in proc.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank}: 3 outer steps" in proc.stdout
+        assert json.loads((out / f"rank{rank}.json").read_text())["outer_steps"] == 3
+    saved = [load_file(str(out / f"rank{rank}.safetensors")) for rank in (0, 1)]
+    names = [k for k in saved[0] if not k.startswith("initial.")]
+    assert names
+    for name in names:
+        assert torch.equal(saved[0][name], saved[1][name]), f"{name} differs between replicas after the last sync"
+        assert not torch.equal(saved[0][name], saved[0][f"initial.{name}"]), f"{name} never moved"
+    jobs = jobs_server.jobs()
+    assert [j["stage"] for j in jobs] == ["COMPLETED", "COMPLETED"]
+    for job in jobs:
+        spec = job["spec"]
+        assert spec["command"][:2] == ["python", "-c"]  # the script was shipped, not referenced by a local path
+        assert str(TESTS) not in json.dumps(spec["command"])
+        assert spec["secrets"] == {"AWS_SECRET_ACCESS_KEY": s3_secret, "AWS_ACCESS_KEY_ID": "crf-key-id"}
+        assert s3_secret not in json.dumps(spec["environment"])
+        assert spec["environment"]["AWS_ENDPOINT_URL"] == moto_s3["endpoint"]
+        assert spec["timeoutSeconds"] == 400
+    assert s3_secret not in proc.stdout + proc.stderr

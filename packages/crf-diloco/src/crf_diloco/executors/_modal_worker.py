@@ -98,7 +98,7 @@ def run_replica(
             process = ReplicaProcess(rank, argv, {**os.environ, **env}, on_output=relay, tail_lines=tail_lines)
         except OSError as exc:
             return {"rank": rank, "returncode": None, "duration_s": 0.0, "stdout_tail": "", "stderr_tail": "",
-                    "timed_out": False, "error": secrets.redact(str(exc))}  # fmt: skip
+                    "timed_out": False, "error": secrets.redact(exc.strerror or str(exc))}  # fmt: skip
         try:
             while process.wait(0.2) is None:
                 pass

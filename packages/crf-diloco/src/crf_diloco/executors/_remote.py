@@ -42,9 +42,9 @@ _CREDENTIAL_NAME = re.compile(
 def looks_secret(name: str) -> bool:
     """True for the per-run secrets (``SECRET_ENV_VARS``) and names that read like credentials.
 
-    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``HF_TOKEN``, ``AZURE_STORAGE_CONNECTION_STRING``,
-    ``OPENAI_API_KEY`` ... are secrets; ``AWS_ACCESS_KEY_ID`` and ``AWS_DEFAULT_REGION`` are not (pass the key id
-    with ``secret_env`` if you want it hidden too).
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``HF_TOKEN``,
+    ``AZURE_STORAGE_CONNECTION_STRING``, ``OPENAI_API_KEY`` ... are secrets; ``AWS_ENDPOINT_URL`` and
+    ``AWS_DEFAULT_REGION`` are not. Sending a harmless value as a secret costs nothing; the reverse would show it.
     """
     return name in SECRET_ENV_VARS or bool(_CREDENTIAL_NAME.search(name))
 
@@ -174,6 +174,11 @@ class RemoteReplica(Protocol):
         """The final result once the replica has ended, ``None`` while it runs; raises when the backend is unreachable."""
         ...
 
+    @property
+    def cancel_requested(self) -> bool:
+        """True once `cancel` was called (by the wait loop or by ``terminate``)."""
+        ...
+
     def cancel(self) -> None:
         """Ask the backend to stop the replica (returns at once; a later `poll` reports the end)."""
         ...
@@ -232,7 +237,7 @@ def wait_for_replicas(
             logger.warning("rank %d: cancel failed: %s", replica.rank, redact(f"{type(exc).__name__}: {exc}"))
 
     def cancel(rank: int, reason: str, timed_out: bool) -> None:
-        if rank not in cancels:
+        if rank not in cancels and not pending[rank].cancel_requested:  # not already stopped by ``terminate``
             cancels[rank] = _Cancel(reason, timed_out, time.monotonic())
             request_cancel(pending[rank])
 

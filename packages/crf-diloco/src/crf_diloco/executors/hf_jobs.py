@@ -314,7 +314,8 @@ class HFJobsExecutor:
         argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
         plain, secrets = split_replica_env(env, secrets=self._secret_values, secret_env=self.secret_env)
         job_envs = [
-            {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, plain)} for r in range(world_size)
+            {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, plain)}
+            for r in range(world_size)
         ]
         launch = _HFLaunch(
             api=self._api,

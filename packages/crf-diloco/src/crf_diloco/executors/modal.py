@@ -270,6 +270,15 @@ def _unreachable(exc: BaseException, errors: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class ModalReplicaApp:
+    """A Modal app holding the replica function, and the options the function was defined with."""
+
+    app: Any
+    function: Any
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class ModalReplicaHandle:
     """One replica running as a Modal function call: rank, run id and the call's id (``fc-...``)."""
 
@@ -388,7 +397,7 @@ class ModalExecutor:
             image = image.pip_install(*self.pip)
         return image.add_local_python_source("crf_diloco")
 
-    def build_app(self, secrets: ReplicaSecrets) -> tuple[Any, Any]:
+    def build_app(self, secrets: ReplicaSecrets) -> ModalReplicaApp:
         """A fresh ``modal.App`` and its replica function, with ``secrets`` attached as a Modal secret."""
         modal = self._modal
         app = modal.App(self.app_name)
@@ -405,7 +414,7 @@ class ModalExecutor:
         for key in ("gpu", "cpu", "memory", "region"):
             if getattr(self, key) is not None:
                 options[key] = getattr(self, key)
-        return app, app.function(**options)(run_replica)
+        return ModalReplicaApp(app, app.function(**options)(run_replica), options)
 
     def launch_replicas(
         self,
@@ -421,11 +430,14 @@ class ModalExecutor:
         argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
         plain, secrets = split_replica_env(env, secrets=self._secret_values, secret_env=self.secret_env)
         replica_envs = [
-            {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, plain)} for r in range(world_size)
+            {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, plain)}
+            for r in range(world_size)
         ]
-        app, function = self.build_app(secrets)
+        definition = self.build_app(secrets)
         try:
-            stack, log_queue = self._session.open(app, show_output=self.show_output, log_queue=on_output is not None)
+            stack, log_queue = self._session.open(
+                definition.app, show_output=self.show_output, log_queue=on_output is not None
+            )
         except Exception as exc:
             raise RuntimeError(
                 f"cannot start the Modal app {self.app_name!r} ({type(exc).__name__}: {secrets.redact(str(exc))}); "
@@ -437,7 +449,7 @@ class ModalExecutor:
         try:
             for rank in range(world_size):
                 call = self._session.spawn(
-                    function, rank, argv, replica_envs[rank], secrets.names, log_queue, self.tail_lines,
+                    definition.function, rank, argv, replica_envs[rank], secrets.names, log_queue, self.tail_lines,
                     self.terminate_grace_s,
                 )  # fmt: skip
                 call_id = str(getattr(call, "object_id", "") or f"rank-{rank}")
