@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REQ",
         help="package the replicas install (repeatable; default: crf-diloco[<store extra>]==<this version>)",
     )
-    cloud.add_argument("--no-pip", action="store_true", help="install nothing: the image has everything")
+    cloud.add_argument("--no-pip", action="store_true", default=None, help="install nothing: the image has all")
     cloud.add_argument(
         "--secret", action="append", default=[], metavar="NAME", help="send this shell's variable NAME as a secret"
     )
@@ -194,8 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_executor_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Refuse options that belong to another executor (``--ray-*`` with ``hf``, ``--modal-gpu`` with ``ray``...)."""
     for dest, executors in _EXECUTOR_OPTIONS.items():
-        value = getattr(args, dest)
-        if value not in (None, False, []) and args.executor not in executors:
+        if getattr(args, dest) not in (None, []) and args.executor not in executors:  # every default is None or []
             parser.error(f"--{dest.replace('_', '-')} needs --executor {' or '.join(executors)}")
     if args.no_pip and args.pip:
         parser.error("--pip and --no-pip exclude each other")

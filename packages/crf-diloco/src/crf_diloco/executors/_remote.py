@@ -250,7 +250,7 @@ def wait_for_replicas(
             if now - since < policy.lost_contact_s:
                 return None
             request_cancel(replica)
-            error = f"lost contact with the backend for {now - since:.0f} s (last error {type(exc).__name__}: {exc})"
+            error = f"lost contact with the backend for {now - since:.1f} s (last error {type(exc).__name__}: {exc})"
             return ReplicaResult(rank=rank, returncode=None, duration_s=now - start, error=redact(error))
         unreachable_since.pop(rank, None)
         order = cancels.get(rank)
