@@ -470,7 +470,7 @@ def test_adversarial_lost_contact_is_a_failure_and_cancels_the_rest(
 ) -> None:
     executor = make_executor(lost_contact_s=0.5)
     handles = executor.launch_replicas(behave("--sleep", "120"), world_size=2, uri="memory://m")
-    handles[0]._call.call = ScriptedCall(
+    handles[0]._replica.call = ScriptedCall(
         modal.exception.ConnectionError("connection reset")
     )  # the link to Modal breaks
     results = executor.collect(handles, timeout=60)

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from crf_diloco.executors.base import ReplicaResult, validate_timeout
-from crf_diloco.replica_env import REPLICA_ENV_VARS, SECRET_ENV_VARS
+from crf_diloco.executors.base import ReplicaResult, validate_launch, validate_tail_lines, validate_timeout
+from crf_diloco.replica_env import REPLICA_ENV_VARS, SECRET_ENV_VARS, replica_environment
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +165,15 @@ def ceil_seconds(seconds: float | None) -> int | None:
 
 
 class RemoteReplica(Protocol):
-    """One cloud replica as `wait_for_replicas` sees it."""
+    """One cloud replica as `wait_for_replicas` and `RemoteExecutor` see it."""
 
     @property
     def rank(self) -> int: ...
+
+    @property
+    def secrets(self) -> ReplicaSecrets:
+        """The secrets of the launch it belongs to (masked in whatever the replica sends back)."""
+        ...
 
     def poll(self) -> ReplicaResult | None:
         """The final result once the replica has ended, ``None`` while it runs; raises when the backend is unreachable."""
@@ -181,6 +186,10 @@ class RemoteReplica(Protocol):
 
     def cancel(self) -> None:
         """Ask the backend to stop the replica (returns at once; a later `poll` reports the end)."""
+        ...
+
+    def close(self) -> None:
+        """Release what watching the replica holds (log threads, the running app). Idempotent."""
         ...
 
 
@@ -304,3 +313,89 @@ class _Cancel:
             return result
         error = self.reason if not result.error else f"{self.reason}; {result.error}"
         return replace(result, error=error, timed_out=result.timed_out or self.timed_out)
+
+
+class RemoteHandle(Protocol):
+    """A cloud executor's handle: it carries its `RemoteReplica`."""
+
+    @property
+    def _replica(self) -> RemoteReplica: ...
+
+
+@dataclass(frozen=True)
+class PreparedLaunch:
+    """The checked arguments of one ``launch_replicas``: argv, run id, the secrets and each rank's plain env."""
+
+    argv: list[str]
+    run_id: str
+    secrets: ReplicaSecrets
+    envs: list[dict[str, str]]
+
+
+class RemoteExecutor:
+    """What `HFJobsExecutor` and `ModalExecutor` share: secret settings, the wait policy, launch preparation,
+    ``collect`` and ``terminate``. Subclasses submit the replicas and wrap each in a `RemoteReplica`."""
+
+    def __init__(
+        self,
+        *,
+        secrets: Mapping[str, str] | None,
+        secret_env: Sequence[str],
+        cancel_on_failure: bool,
+        poll_interval_s: float,
+        cancel_grace_s: float,
+        lost_contact_s: float,
+        tail_lines: int,
+    ) -> None:
+        self._secret_values, self.secret_env = validate_secret_settings(secrets, secret_env)
+        self.policy = WaitPolicy(
+            poll_interval_s=poll_interval_s,
+            cancel_on_failure=cancel_on_failure,
+            cancel_grace_s=cancel_grace_s,
+            lost_contact_s=lost_contact_s,
+        )
+        self.tail_lines = validate_tail_lines(tail_lines)
+
+    @property
+    def secret_names(self) -> list[str]:
+        """Names of the secrets configured on the executor (``secrets`` and ``secret_env``); never the values."""
+        return sorted({*self._secret_values, *self.secret_env})
+
+    def prepare_launch(
+        self,
+        command: Sequence[str],
+        world_size: int,
+        uri: str,
+        run_id: str | None,
+        env: Mapping[str, str] | None,
+    ) -> PreparedLaunch:
+        """Validate everything ``launch_replicas`` gets before anything is submitted."""
+        argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
+        plain, secrets = split_replica_env(env, secrets=self._secret_values, secret_env=self.secret_env)
+        envs = [
+            {"PYTHONUNBUFFERED": "1", **replica_environment(rank, world_size, uri, run_id, plain)}
+            for rank in range(world_size)
+        ]
+        return PreparedLaunch(argv, run_id, secrets, envs)
+
+    def collect(self, handles: Sequence[RemoteHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
+        """Wait for every replica (cancelling the rest on failure and the late ones at ``timeout``); by rank."""
+        replicas = [h._replica for h in handles]
+        try:
+            redact = redactor(r.secrets for r in replicas)
+            return wait_for_replicas(replicas, timeout=timeout, policy=self.policy, redact=redact)
+        finally:
+            for replica in replicas:
+                replica.close()
+
+    def terminate(self, handles: Sequence[RemoteHandle]) -> None:
+        """Cancel every replica not known to have ended, then release them. Idempotent; errors are logged."""
+        for handle in handles:
+            replica = handle._replica
+            try:
+                replica.cancel()
+            except Exception as exc:
+                error = replica.secrets.redact(f"{type(exc).__name__}: {exc}")
+                logger.warning("rank %d: cancelling it failed: %s", replica.rank, error)
+        for handle in handles:
+            handle._replica.close()

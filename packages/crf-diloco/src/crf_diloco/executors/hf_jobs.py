@@ -28,25 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf_diloco.executors._process import _Tail
-from crf_diloco.executors._remote import (
-    ReplicaSecrets,
-    WaitPolicy,
-    ceil_seconds,
-    redactor,
-    split_replica_env,
-    validate_positive,
-    validate_secret_settings,
-    wait_for_replicas,
-)
-from crf_diloco.executors.base import (
-    OutputCallback,
-    ReplicaResult,
-    validate_launch,
-    validate_tail_lines,
-    validate_timeout,
-)
+from crf_diloco.executors._remote import RemoteExecutor, ReplicaSecrets, ceil_seconds, validate_positive
+from crf_diloco.executors.base import OutputCallback, ReplicaResult, validate_timeout
 from crf_diloco.layout import validate_name
-from crf_diloco.replica_env import replica_environment
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +162,13 @@ class _HFJob:
             self.cancel_requested = True
             self.launch.api.cancel_job(job_id=self.job_id, namespace=self.launch.namespace)
 
-    def join_logs(self, timeout: float) -> None:
-        self._log_thread.join(timeout)
+    @property
+    def secrets(self) -> ReplicaSecrets:
+        return self.launch.secrets
+
+    def close(self) -> None:
+        """Give the log thread a moment to deliver its last lines (it ends with the job's log stream)."""
+        self._log_thread.join(0.5)
 
 
 @dataclass(frozen=True)
@@ -190,10 +179,10 @@ class HFJobHandle:
     run_id: str
     job_id: str
     url: str
-    _job: _HFJob = field(repr=False, compare=False)
+    _replica: _HFJob = field(repr=False, compare=False)
 
 
-class HFJobsExecutor:
+class HFJobsExecutor(RemoteExecutor):
     """Runs each replica as one Hugging Face Job (see the module docstring for the lifecycle).
 
     Args:
@@ -254,19 +243,20 @@ class HFJobsExecutor:
             raise ValueError(f"dependencies must be a list of requirement strings, got {dependencies!r}")
         if not uv and (dependencies or python):
             raise ValueError("dependencies and python apply to uv scripts only: pass uv=True")
-        self._secret_values, self.secret_env = validate_secret_settings(secrets, secret_env)
+        super().__init__(
+            secrets=secrets,
+            secret_env=secret_env,
+            cancel_on_failure=cancel_on_failure,
+            poll_interval_s=poll_interval_s,
+            cancel_grace_s=cancel_grace_s,
+            lost_contact_s=lost_contact_s,
+            tail_lines=tail_lines,
+        )
         self.labels = dict(labels or {})
         for key, value in self.labels.items():
             if not all(isinstance(x, str) and _LABEL.match(x) for x in (key, value)):
                 raise ValueError(f"labels must be short [A-Za-z0-9._-] strings, got {key!r}: {value!r}")
         validate_positive(log_drain_s, "log_drain_s")
-        validate_tail_lines(tail_lines)
-        self.policy = WaitPolicy(
-            poll_interval_s=poll_interval_s,
-            cancel_on_failure=cancel_on_failure,
-            cancel_grace_s=cancel_grace_s,
-            lost_contact_s=lost_contact_s,
-        )
         self.flavor = flavor
         self.image = image
         self.job_timeout_s = ceil_seconds(job_timeout_s)
@@ -275,13 +265,12 @@ class HFJobsExecutor:
         self.dependencies = tuple(dependencies)
         self.python = python
         self.log_drain_s = float(log_drain_s)
-        self.tail_lines = tail_lines
         self._api = hub.HfApi(endpoint=endpoint, token=token)
 
     def __repr__(self) -> str:
         return (
             f"HFJobsExecutor(flavor={self.flavor!r}, image={self.image!r}, namespace={self.namespace!r}, "
-            f"uv={self.uv}, secret_names={sorted([*self._secret_values, *self.secret_env])})"
+            f"uv={self.uv}, secret_names={self.secret_names})"
         )
 
     @property
@@ -311,12 +300,8 @@ class HFJobsExecutor:
         on_output: OutputCallback | None = None,
     ) -> list[HFJobHandle]:
         """Submit ``world_size`` jobs running ``command``; if one cannot be submitted, cancel the others and raise."""
-        argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
-        plain, secrets = split_replica_env(env, secrets=self._secret_values, secret_env=self.secret_env)
-        job_envs = [
-            {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, plain)}
-            for r in range(world_size)
-        ]
+        prepared = self.prepare_launch(command, world_size, uri, run_id, env)
+        argv, run_id, secrets = prepared.argv, prepared.run_id, prepared.secrets
         launch = _HFLaunch(
             api=self._api,
             namespace=self._resolve_namespace(secrets),
@@ -330,7 +315,7 @@ class HFJobsExecutor:
             for rank in range(world_size):
                 name = f"{self.labels.get('name', 'crf-diloco-' + run_id)}-rank{rank}"
                 labels = {**self.labels, "name": name, LABEL_RUN_ID: run_id, LABEL_RANK: str(rank)}
-                info = self._submit(argv, job_envs[rank], secrets, labels, launch.namespace)
+                info = self._submit(argv, prepared.envs[rank], secrets, labels, launch.namespace)
                 job_id = validate_name(str(info.id), "the job id returned by the Jobs API")
                 handles.append(HFJobHandle(rank, run_id, job_id, str(info.url), _HFJob(launch, rank, job_id)))
                 logger.info("rank %d: job %s", rank, info.url)
@@ -366,21 +351,3 @@ class HFJobsExecutor:
                 **common,
             )
         return self._api.run_job(image=self.image, command=argv, **common)
-
-    def collect(self, handles: Sequence[HFJobHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
-        """Wait for every job (cancelling the rest on failure and the late ones at ``timeout``); results by rank."""
-        jobs = [h._job for h in handles]
-        redact = redactor(job.launch.secrets for job in jobs)
-        results = wait_for_replicas(jobs, timeout=timeout, policy=self.policy, redact=redact)
-        for job in jobs:
-            job.join_logs(0.5)
-        return results
-
-    def terminate(self, handles: Sequence[HFJobHandle]) -> None:
-        """``cancel_job`` every job not known to have ended. Idempotent; errors are logged, not raised."""
-        for handle in handles:
-            try:
-                handle._job.cancel()
-            except Exception as exc:
-                error = handle._job.launch.secrets.redact(_describe(exc))
-                logger.warning("rank %d: cancelling job %s failed: %s", handle.rank, handle.job_id, error)

@@ -31,25 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf_diloco.executors._modal_worker import run_replica
-from crf_diloco.executors._remote import (
-    ReplicaSecrets,
-    WaitPolicy,
-    ceil_seconds,
-    redactor,
-    split_replica_env,
-    validate_positive,
-    validate_secret_settings,
-    wait_for_replicas,
-)
-from crf_diloco.executors.base import (
-    OutputCallback,
-    ReplicaResult,
-    validate_launch,
-    validate_tail_lines,
-    validate_timeout,
-)
+from crf_diloco.executors._remote import RemoteExecutor, ReplicaSecrets, ceil_seconds, validate_positive
+from crf_diloco.executors.base import OutputCallback, ReplicaResult
 from crf_diloco.layout import validate_name
-from crf_diloco.replica_env import replica_environment
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +239,14 @@ class _ModalCall:
             self.cancel_requested = True
             self.call.cancel(terminate_containers=True)
 
+    @property
+    def secrets(self) -> ReplicaSecrets:
+        return self.launch.secrets
+
+    def close(self) -> None:
+        """Stop the launch's app (shared by its calls; the first close stops it)."""
+        self.launch.close()
+
 
 def _has_type(value: object, types: tuple[type, ...]) -> bool:
     """``isinstance`` where a bool is not an int (``True`` is no exit code)."""
@@ -285,10 +277,10 @@ class ModalReplicaHandle:
     rank: int
     run_id: str
     call_id: str
-    _call: _ModalCall = field(repr=False, compare=False)
+    _replica: _ModalCall = field(repr=False, compare=False)
 
 
-class ModalExecutor:
+class ModalExecutor(RemoteExecutor):
     """Runs each replica as one call of a Modal function (see the module docstring for the lifecycle).
 
     Args:
@@ -349,19 +341,20 @@ class ModalExecutor:
         timeout = validate_positive(timeout_s, "timeout_s")
         if timeout > MAX_TIMEOUT_S:
             raise ValueError(f"timeout_s must be at most {MAX_TIMEOUT_S} (Modal's 24 h limit), got {timeout_s!r}")
-        self._secret_values, self.secret_env = validate_secret_settings(secrets, secret_env)
+        super().__init__(
+            secrets=secrets,
+            secret_env=secret_env,
+            cancel_on_failure=cancel_on_failure,
+            poll_interval_s=poll_interval_s,
+            cancel_grace_s=cancel_grace_s,
+            lost_contact_s=lost_contact_s,
+            tail_lines=tail_lines,
+        )
         if isinstance(modal_secrets, str):
             raise TypeError(f"modal_secrets must be a list of secret names, not the string {modal_secrets!r}")
         for name in modal_secrets:
             validate_name(name, "modal_secrets entry")
         validate_positive(terminate_grace_s, "terminate_grace_s")
-        validate_tail_lines(tail_lines)
-        self.policy = WaitPolicy(
-            poll_interval_s=poll_interval_s,
-            cancel_on_failure=cancel_on_failure,
-            cancel_grace_s=cancel_grace_s,
-            lost_contact_s=lost_contact_s,
-        )
         self.app_name = app_name
         self.gpu: str | list[str] | None = gpus[0] if isinstance(gpu, str) else (gpus or None)
         self.cpu = cpu
@@ -373,7 +366,6 @@ class ModalExecutor:
         self.modal_secrets = tuple(modal_secrets)
         self.region = region
         self.terminate_grace_s = float(terminate_grace_s)
-        self.tail_lines = tail_lines
         self.show_output = show_output
         self._session = _ModalSession(modal)
         self.build_app(ReplicaSecrets())  # Modal checks the function's options here, before anything runs
@@ -381,7 +373,7 @@ class ModalExecutor:
     def __repr__(self) -> str:
         return (
             f"ModalExecutor(app_name={self.app_name!r}, gpu={self.gpu!r}, timeout_s={self.timeout_s}, "
-            f"modal_secrets={list(self.modal_secrets)}, secret_names={sorted([*self._secret_values, *self.secret_env])})"
+            f"modal_secrets={list(self.modal_secrets)}, secret_names={self.secret_names})"
         )
 
     def build_image(self) -> Any:
@@ -427,12 +419,8 @@ class ModalExecutor:
         on_output: OutputCallback | None = None,
     ) -> list[ModalReplicaHandle]:
         """Run the app and spawn ``world_size`` calls running ``command``; on any error stop them all and raise."""
-        argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
-        plain, secrets = split_replica_env(env, secrets=self._secret_values, secret_env=self.secret_env)
-        replica_envs = [
-            {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, plain)}
-            for r in range(world_size)
-        ]
+        prepared = self.prepare_launch(command, world_size, uri, run_id, env)
+        argv, run_id, secrets = prepared.argv, prepared.run_id, prepared.secrets
         definition = self.build_app(secrets)
         try:
             stack, log_queue = self._session.open(
@@ -449,7 +437,7 @@ class ModalExecutor:
         try:
             for rank in range(world_size):
                 call = self._session.spawn(
-                    definition.function, rank, argv, replica_envs[rank], secrets.names, log_queue, self.tail_lines,
+                    definition.function, rank, argv, prepared.envs[rank], secrets.names, log_queue, self.tail_lines,
                     self.terminate_grace_s,
                 )  # fmt: skip
                 call_id = str(getattr(call, "object_id", "") or f"rank-{rank}")
@@ -466,25 +454,3 @@ class ModalExecutor:
             launch.close()
             raise
         return handles
-
-    def collect(self, handles: Sequence[ModalReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
-        """Wait for every call (cancelling the rest on failure and the late ones at ``timeout``), then stop the app."""
-        timeout = validate_timeout(timeout)
-        calls = [h._call for h in handles]
-        try:
-            redact = redactor(call.launch.secrets for call in calls)
-            return wait_for_replicas(calls, timeout=timeout, policy=self.policy, redact=redact)
-        finally:
-            for call in calls:
-                call.launch.close()
-
-    def terminate(self, handles: Sequence[ModalReplicaHandle]) -> None:
-        """Cancel every call not known to have ended and stop its app. Idempotent; errors are logged, not raised."""
-        for handle in handles:
-            try:
-                handle._call.cancel()
-            except Exception as exc:
-                error = handle._call.launch.secrets.redact(f"{type(exc).__name__}: {exc}")
-                logger.warning("rank %d: cancelling Modal call %s failed: %s", handle.rank, handle.call_id, error)
-        for handle in handles:
-            handle._call.launch.close()
