@@ -70,7 +70,7 @@ class Behaviour:
     lie_stage: ``{index: stage}``; status reads of that job report this stage whatever really happened.
     garbage_inspect: job indices whose status reads return ``200`` with a body that is not JSON.
     flaky_inspect: how many of the next status reads (any job) fail with ``500``.
-    reject_from: submissions from this index on get ``429`` with an error that echoes the spec, secrets included.
+    reject_from: submissions from this index on get ``429`` with an error that echoes the token and the spec (secrets too).
     bad_job_id: JobInfo of new jobs carries this id (``"../whoami-v2"``) instead of the real one.
     echo_secrets: JobInfo carries the secret values.
     garbage_logs: the log stream interleaves events that are not JSON.
@@ -393,7 +393,8 @@ class Handler(BaseHTTPRequestHandler):
         with state.lock:
             index = len(state.jobs)
             if state.behaviour.reject_from is not None and index >= state.behaviour.reject_from:
-                return self._error(429, f"Quota exceeded, cannot run {json.dumps(spec)}")
+                auth = self.headers.get("Authorization")
+                return self._error(429, f"Quota exceeded for {auth}, cannot run {json.dumps(spec)}")
             job = Job(index, namespace, spec, state.workdir, state.scheduling_s)
             state.jobs[job.id] = job
         return self._json(200, job.info(state.owner, state.behaviour))

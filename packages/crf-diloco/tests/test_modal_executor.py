@@ -336,7 +336,7 @@ def test_modal_executor_timeout_and_terminate(
     executor.terminate(handles)  # idempotent
     assert all(call.cancelled_with for call in session.calls[2:])
     results = executor.collect(handles, timeout=60)
-    assert [r.error for r in results] == ["the call was cancelled on Modal"] * 2
+    assert [r.error for r in results] == ["cancelled by terminate(); the call was cancelled on Modal"] * 2
 
 
 # -- the SDK boundary: what each Modal outcome becomes -----------------------------------------------------------

@@ -165,6 +165,17 @@ def test_wait_rides_out_short_outages_and_gives_up_on_long_ones() -> None:
     assert results[1].error == "cancelled after rank 0 failed; stopped by the backend"
 
 
+def test_wait_gives_up_on_a_replica_terminate_cancelled_that_never_ends() -> None:
+    stuck = Scripted(0, None, ends_on_cancel=False)
+    stuck.cancel()  # terminate() ran before collect
+    start = time.monotonic()
+    results = wait_for_replicas([stuck], timeout=None, policy=FAST, redact=str)
+    assert time.monotonic() - start < 5
+    assert results[0].error == (
+        "cancelled by terminate(); the backend did not report an end within 0.2 s of the cancel"
+    )
+
+
 def test_wait_keeps_a_replica_that_succeeded_before_the_cancel_landed() -> None:
     class FinishesAnyway(Scripted):
         def poll(self) -> ReplicaResult | None:

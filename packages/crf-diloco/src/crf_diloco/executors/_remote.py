@@ -236,7 +236,8 @@ def wait_for_replicas(
     deadline = None if timeout is None else start + timeout
     pending = {replica.rank: replica for replica in replicas}
     results: dict[int, ReplicaResult] = {}
-    cancels: dict[int, _Cancel] = {}
+    # replicas stopped by ``terminate`` before this wait are held to the same grace period as those it cancels
+    cancels = {r.rank: _Cancel("cancelled by terminate()", False, start) for r in replicas if r.cancel_requested}
     unreachable_since: dict[int, float] = {}
 
     def request_cancel(replica: RemoteReplica) -> None:
@@ -246,7 +247,7 @@ def wait_for_replicas(
             logger.warning("rank %d: cancel failed: %s", replica.rank, redact(f"{type(exc).__name__}: {exc}"))
 
     def cancel(rank: int, reason: str, timed_out: bool) -> None:
-        if rank not in cancels and not pending[rank].cancel_requested:  # not already stopped by ``terminate``
+        if rank not in cancels:
             cancels[rank] = _Cancel(reason, timed_out, time.monotonic())
             request_cancel(pending[rank])
 

@@ -78,7 +78,7 @@ class _HFLaunch:
 
     api: Any
     namespace: str
-    secrets: ReplicaSecrets
+    secrets: ReplicaSecrets  # what is masked in text that comes back: the job secrets and the Hub token
     on_output: OutputCallback | None
     tail_lines: int
     log_drain_s: float
@@ -266,6 +266,8 @@ class HFJobsExecutor(RemoteExecutor):
         self.python = python
         self.log_drain_s = float(log_drain_s)
         self._api = hub.HfApi(endpoint=endpoint, token=token)
+        hub_token = token if isinstance(token, str) else hub.get_token()  # HF_TOKEN or the saved login
+        self._token_mask = {"<hub token>": hub_token} if hub_token else {}
 
     def __repr__(self) -> str:
         return (
@@ -302,10 +304,11 @@ class HFJobsExecutor(RemoteExecutor):
         """Submit ``world_size`` jobs running ``command``; if one cannot be submitted, cancel the others and raise."""
         prepared = self.prepare_launch(command, world_size, uri, run_id, env)
         argv, run_id, secrets = prepared.argv, prepared.run_id, prepared.secrets
+        masked = ReplicaSecrets({**secrets.values, **self._token_mask})  # the job secrets and the Hub token
         launch = _HFLaunch(
             api=self._api,
-            namespace=self._resolve_namespace(secrets),
-            secrets=secrets,
+            namespace=self._resolve_namespace(masked),
+            secrets=masked,
             on_output=on_output,
             tail_lines=self.tail_lines,
             log_drain_s=self.log_drain_s,
@@ -322,7 +325,7 @@ class HFJobsExecutor(RemoteExecutor):
         except Exception as exc:
             self.terminate(handles)
             raise RuntimeError(
-                f"submitting the job of rank {len(handles)} failed ({secrets.redact(_describe(exc))}); "
+                f"submitting the job of rank {len(handles)} failed ({masked.redact(_describe(exc))}); "
                 f"the {len(handles)} job(s) already submitted were cancelled"
             ) from None
         except BaseException:
