@@ -42,6 +42,7 @@ TERMINAL_STAGES = ("COMPLETED", "ERROR", "CANCELED", "DELETED")
 _RUNNING_STAGES = ("SCHEDULING", "RUNNING")
 _HUB_HINT = "HFJobsExecutor needs huggingface_hub>=1.5, which is not installed: pip install 'crf-diloco[hf]'"
 _FLAVOR = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _MAX_LINE_CHARS = 4000
 
@@ -65,6 +66,16 @@ def _describe(exc: BaseException) -> str:
     """``"HfHubHTTPError: HTTP 429: <message>"``: the exception type, the HTTP status when there is one, the text."""
     status = getattr(getattr(exc, "response", None), "status_code", None)
     return f"{type(exc).__name__}: " + (f"HTTP {status}: " if isinstance(status, int) else "") + str(exc)
+
+
+def _checked_job_id(value: object) -> str:
+    """The job id from a Jobs API reply, if it is a plain id (it becomes part of every later request's URL)."""
+    if not isinstance(value, str) or not _JOB_ID.match(value):
+        raise ValueError(
+            f"the Jobs API returned the job id {value!r}, which is not a plain id and could redirect later requests; "
+            "a job it may have started was not cancelled: check `hf jobs ls`"
+        )
+    return value
 
 
 def _stage_name(stage: object) -> str:
@@ -319,7 +330,7 @@ class HFJobsExecutor(RemoteExecutor):
                 name = f"{self.labels.get('name', 'crf-diloco-' + run_id)}-rank{rank}"
                 labels = {**self.labels, "name": name, LABEL_RUN_ID: run_id, LABEL_RANK: str(rank)}
                 info = self._submit(argv, prepared.envs[rank], secrets, labels, launch.namespace)
-                job_id = validate_name(str(info.id), "the job id returned by the Jobs API")
+                job_id = _checked_job_id(info.id)
                 handles.append(HFJobHandle(rank, run_id, job_id, str(info.url), _HFJob(launch, rank, job_id)))
                 logger.info("rank %d: job %s", rank, info.url)
         except Exception as exc:
