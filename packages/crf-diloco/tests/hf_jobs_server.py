@@ -15,7 +15,8 @@ Every ``/api`` route wants ``Authorization: Bearer <token>`` (401 otherwise); th
 one of its orgs (403); a bad spec is a 400 ``{"error": ...}``. A job is ``SCHEDULING`` for ``--scheduling-s``,
 then ``RUNNING`` while its command runs in a fresh working folder with the job's ``environment`` and ``secrets``
 on top of a few of the server's variables (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, ``UV_CACHE_DIR``) that stand
-in for the image; stdout and stderr go to one log, as on the Hub. It ends ``COMPLETED`` (exit 0), ``ERROR``
+in for the image, plus ``UV_NO_PROJECT=1`` (a container holds no project, but the job folders may lie inside
+this repository, and ``uv run`` must not find it); stdout and stderr go to one log, as on the Hub. It ends ``COMPLETED`` (exit 0), ``ERROR``
 (non-zero exit, killed, or past ``timeoutSeconds``; the message texts are this server's own) or ``CANCELED``.
 Secrets are never returned (the Hub keeps them encrypted).
 
@@ -124,6 +125,7 @@ class Job:
                 self.changed.notify_all()
                 return
             env = {k: os.environ[k] for k in IMAGE_ENV if k in os.environ}
+            env["UV_NO_PROJECT"] = "1"  # a container holds no project; the job folder may lie inside one here
             env.update(self.spec.get("environment") or {})
             env.update(self.spec.get("secrets") or {})
             command = [*self.spec["command"], *(self.spec.get("arguments") or [])]
