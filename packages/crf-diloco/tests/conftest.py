@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -176,3 +178,27 @@ def moto_s3() -> Iterator[dict[str, Any]]:
         yield {"bucket": bucket, "storage_options": options, "endpoint": endpoint}
     finally:
         server.stop()
+
+
+# -- outputs of replica_scripts/diloco_replica.py ------------------------------------------------------------------
+def _diloco_replicas_agree(out: Path, world_size: int, outer_steps: int) -> None:
+    """Every replica wrote ``outer_steps`` outer steps and the same final weights, which moved from the initial ones."""
+    from safetensors.torch import load_file
+
+    for rank in range(world_size):
+        assert json.loads((out / f"rank{rank}.json").read_text())["outer_steps"] == outer_steps
+    saved = [load_file(str(out / f"rank{rank}.safetensors")) for rank in range(world_size)]
+    names = [k for k in saved[0] if not k.startswith("initial.")]
+    assert names
+    for name in names:
+        for rank in range(1, world_size):
+            assert torch.equal(saved[0][name], saved[rank][name]), (
+                f"{name} differs between replicas after the last sync"
+            )
+        assert not torch.equal(saved[0][name], saved[0][f"initial.{name}"]), f"{name} never moved"
+
+
+@pytest.fixture
+def diloco_replicas_agree() -> Callable[[Path, int, int], None]:
+    """``diloco_replicas_agree(out_dir, world_size=, outer_steps=)``: check what diloco_replica.py wrote."""
+    return _diloco_replicas_agree

@@ -10,10 +10,11 @@ import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
 
+from crf_diloco._version import __version__
 from crf_diloco.cli import main
 
 BEHAVE = str(Path(__file__).parent / "replica_scripts" / "behave.py")
@@ -99,8 +100,18 @@ def test_cli_timeout_stops_replicas_and_fails(tmp_path: Path, capsys: pytest.Cap
         (["--replicas", "2", BEHAVE], "--uri"),
         (["--replicas", "2", "--uri", "x", "--ray-num-gpus", "1", BEHAVE], "--ray-num-gpus needs --executor ray"),
         (["--replicas", "2", "--uri", "x", "--executor", "ray", "--ray-num-cpus", "-1", BEHAVE], "a number >= 0"),
+        (["--replicas", "2", "--uri", "x", "--modal-gpu", "H100", BEHAVE], "--modal-gpu needs --executor modal"),
+        (["--replicas", "2", "--uri", "x", "--executor", "modal", "--hf-flavor", "t4-small", BEHAVE],
+         "--hf-flavor needs --executor hf"),
+        (["--replicas", "2", "--uri", "x", "--image", "python:3.12", BEHAVE], "--image needs --executor hf or modal"),
+        (["--replicas", "2", "--uri", "x", "--secret", "HF_TOKEN", BEHAVE], "--secret needs --executor hf or modal"),
+        (["--replicas", "2", "--uri", "x", "--no-cancel-on-failure", BEHAVE], "needs --executor hf or modal"),
+        (["--replicas", "2", "--uri", "x", "--executor", "hf", "--pip", "torch", "--no-pip", BEHAVE],
+         "--pip and --no-pip exclude each other"),
+        (["--replicas", "2", "--uri", "x", "--executor", "modal", "--modal-memory", "0", BEHAVE], "whole number >= 1"),
+        (["--replicas", "2", "--uri", "x", "--executor", "modal", "--modal-cpu", "nan", BEHAVE], "a number > 0"),
     ],
-)
+)  # fmt: skip
 def test_cli_rejects_bad_arguments_with_status_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
@@ -141,10 +152,8 @@ def test_cli_sigterm_stops_every_replica(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_cli_runs_real_diloco_training_across_replicas(tmp_path: Path) -> None:
+def test_cli_runs_real_diloco_training_across_replicas(tmp_path: Path, diloco_replicas_agree: Any) -> None:
     """The whole chain a user meets: CLI → executor → CRF_DILOCO_* → from_env → MockManager → torchft DiLoCo."""
-    from safetensors.torch import load_file
-
     script = str(Path(__file__).parent / "replica_scripts" / "diloco_replica.py")
     out = tmp_path / "out"
     out.mkdir()
@@ -156,10 +165,68 @@ def test_cli_runs_real_diloco_training_across_replicas(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
         assert f"rank {rank}: 3 outer steps" in rank_lines(proc.stdout, rank)[-1]
-        assert json.loads((out / f"rank{rank}.json").read_text())["outer_steps"] == 3
-    saved = [load_file(str(out / f"rank{rank}.safetensors")) for rank in (0, 1)]
-    names = [k for k in saved[0] if not k.startswith("initial.")]
-    assert names
-    for name in names:
-        assert torch.equal(saved[0][name], saved[1][name]), f"{name} differs between replicas after the last sync"
-        assert not torch.equal(saved[0][name], saved[0][f"initial.{name}"]), f"{name} never moved"
+    diloco_replicas_agree(out, world_size=2, outer_steps=3)
+
+
+def test_cli_builds_the_hf_executor_and_ships_the_script(tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub")
+    from crf_diloco.cli import _make_executor, _replica_command, build_parser
+    from crf_diloco.executors import HFJobsExecutor, script_command
+
+    args = build_parser().parse_args(
+        ["launch", "--executor", "hf", "--replicas", "4", "--uri", "s3://bucket/runs", "--timeout", "7200.5",
+         "--hf-flavor", "a10g-large", "--hf-namespace", "crf-org", "--secret", "AWS_SECRET_ACCESS_KEY",
+         "--no-cancel-on-failure", BEHAVE, "--lr", "1"]
+    )  # fmt: skip
+    executor = _make_executor(args, "s3://bucket/runs")
+    assert isinstance(executor, HFJobsExecutor)
+    assert (executor.flavor, executor.namespace, executor.job_timeout_s) == ("a10g-large", "crf-org", 7201)
+    assert executor.secret_env == ("AWS_SECRET_ACCESS_KEY",)
+    assert executor.policy.cancel_on_failure is False
+    command = _replica_command(args, ["--lr", "1"], "s3://bucket/runs")
+    # the replicas install this crf-diloco with the store's extra, then run the shipped script
+    assert command[:6] == ["uv", "run", "--no-project", "--with", f"crf-diloco[s3]=={__version__}", "--"]
+    assert command[6:] == script_command(BEHAVE, ["--lr", "1"])
+    args.pip, args.no_pip = None, True
+    assert _replica_command(args, [], "s3://bucket/runs") == script_command(BEHAVE, [])
+
+
+def test_cli_builds_the_modal_executor(tmp_path: Path) -> None:
+    pytest.importorskip("modal")
+    from crf_diloco.cli import _make_executor, _replica_command, build_parser
+    from crf_diloco.executors import ModalExecutor, script_command
+
+    args = build_parser().parse_args(
+        ["launch", "--executor", "modal", "--replicas", "2", "--uri", "gs://bucket/runs", "--modal-gpu", "H100:2",
+         "--modal-cpu", "8", "--modal-memory", "32768", "--modal-secret", "gcp", "--modal-app", "my-app",
+         "--pip", "crf-diloco[gcs]", "--pip", "transformers>=4.50", "--image", "python:3.11", BEHAVE]
+    )  # fmt: skip
+    executor = _make_executor(args, "gs://bucket/runs")
+    assert isinstance(executor, ModalExecutor)
+    assert (executor.app_name, executor.gpu, executor.cpu, executor.memory) == ("my-app", "H100:2", 8.0, 32768)
+    assert executor.modal_secrets == ("gcp",)
+    assert executor.pip == ("crf-diloco[gcs]", "transformers>=4.50")  # installed into the image, not at start-up
+    assert executor.image == "python:3.11"
+    assert executor.timeout_s == 86400  # no --timeout: Modal's longest, not its 300 s default
+    assert _replica_command(args, [], "gs://bucket/runs") == script_command(BEHAVE, [])
+
+
+@pytest.mark.parametrize(("executor", "module"), [("hf", "huggingface_hub"), ("modal", "modal")])
+def test_cli_cloud_executor_without_its_sdk_exits_2_naming_the_extra(
+    executor: str, module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "--executor", executor, "--replicas", "2", "--uri", "s3://b/p", BEHAVE])
+    assert info.value.code == 2
+    assert f"pip install 'crf-diloco[{executor}]'" in capsys.readouterr().err
+
+
+def test_default_requirement_follows_the_store() -> None:
+    from crf_diloco.cli import default_requirement
+
+    assert default_requirement("s3://b/p") == f"crf-diloco[s3]=={__version__}"
+    assert default_requirement("gs://b/p") == f"crf-diloco[gcs]=={__version__}"
+    assert default_requirement("az://c/p") == f"crf-diloco[azure]=={__version__}"
+    assert default_requirement("hf://buckets/me/b") == f"crf-diloco[hf]=={__version__}"
+    assert default_requirement("/mnt/shared") == f"crf-diloco=={__version__}"

@@ -1,4 +1,4 @@
-"""LocalProcessExecutor, the executor protocol and helpers, and the v0 cloud skeletons (real child processes)."""
+"""LocalProcessExecutor, the executor protocol and helpers (real child processes); the cloud executors' import contract."""
 
 from __future__ import annotations
 
@@ -277,22 +277,35 @@ def test_describe_returncode(returncode: int | None, text: str) -> None:
     assert describe_returncode(returncode) == text
 
 
-@pytest.mark.parametrize("cls", [ModalExecutor, HFJobsExecutor])
-def test_cloud_executor_skeletons_raise_the_seed_message_at_construction(cls: type) -> None:
-    with pytest.raises(NotImplementedError) as info:
+@pytest.mark.parametrize(
+    ("cls", "module", "extra"), [(ModalExecutor, "modal", "modal"), (HFJobsExecutor, "huggingface_hub", "hf")]
+)
+def test_cloud_executors_without_their_sdk_name_the_extra(
+    cls: type, module: str, extra: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seed's v0 contract (failure mode 9: ``__init__`` raises ``NotImplementedError``) is gone: construction
+    works once the SDK is installed, and without it fails with an ImportError that names the extra to install."""
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import <module>` raise ImportError
+    with pytest.raises(ImportError, match=rf"pip install 'crf-diloco\[{extra}\]'") as info:
         cls()
-    assert str(info.value) == (
-        f"{cls.__name__} is a v0 skeleton; full implementation pending.\nUse LocalProcessExecutor for testing."
-    )
+    assert not isinstance(info.value, NotImplementedError)
 
 
-def test_cloud_executor_skeletons_import_without_their_sdks() -> None:
+@pytest.mark.parametrize(("cls", "module"), [(ModalExecutor, "modal"), (HFJobsExecutor, "huggingface_hub")])
+def test_cloud_executors_construct_and_implement_the_protocol(cls: type, module: str) -> None:
+    pytest.importorskip(module)
+    executor = cls()
+    assert isinstance(executor, ServerlessExecutor)
+
+
+def test_cloud_executors_import_without_their_sdks() -> None:
     code = (
         "import sys\n"
         "from crf_diloco import HFJobsExecutor, LocalProcessExecutor, ModalExecutor, RayExecutor\n"
         "from crf_diloco import ReplicaResult, ServerlessExecutor, run_replicas\n"
         "import crf_diloco.executors.modal, crf_diloco.executors.hf_jobs, crf_diloco.executors.ray\n"
-        "print(sorted(m for m in ('modal', 'huggingface_hub', 'ray') if m in sys.modules))\n"
+        "import crf_diloco.executors._modal_worker, crf_diloco.cli\n"
+        "print(sorted(m for m in ('modal', 'huggingface_hub', 'ray', 'torch') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

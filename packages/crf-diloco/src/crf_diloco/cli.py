@@ -1,14 +1,15 @@
 """``crf-diloco launch``: start N replicas of a training script that synchronise through an object store.
 
-    crf-diloco launch --replicas N --uri URI [--executor local|ray] [--run-id ID] [--timeout S]
-                      [--env KEY=VALUE ...] [--ray-address ADDR] [--ray-num-cpus C] [--ray-num-gpus G]
-                      script.py [args...]
+    crf-diloco launch --replicas N --uri URI [--executor local|ray|hf|modal] [--run-id ID] [--timeout S]
+                      [--env KEY=VALUE ...] [executor options] script.py [args...]
 
 Each replica runs ``python script.py args...`` with ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE``,
-``CRF_DILOCO_URI`` and ``CRF_DILOCO_RUN_ID`` set (the script calls `ObjectStoreAllReduce.from_env`). Replica
-output is streamed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr); a summary follows on stderr.
-Exit status: 0 when every replica exited 0, 1 when any failed or timed out, 2 on bad arguments, 130/143 when
-interrupted by SIGINT/SIGTERM (the replicas are stopped first).
+``CRF_DILOCO_URI`` and ``CRF_DILOCO_RUN_ID`` set (the script calls `ObjectStoreAllReduce.from_env`). With
+``--executor hf`` or ``modal`` the script travels inside the command (`script_command`) and the replicas install
+``--pip`` packages (default: this crf-diloco with the store's extra); ``--secret NAME`` sends a variable of this
+shell as a secret. Replica output is streamed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr); a
+summary follows on stderr. Exit status: 0 when every replica exited 0, 1 when any failed or timed out, 2 on bad
+arguments, 130/143 when interrupted by SIGINT/SIGTERM (the replicas are stopped first).
 """
 
 from __future__ import annotations
@@ -32,9 +33,30 @@ from crf_diloco.executors.base import (
     run_replicas,
     validate_timeout,
 )
+from crf_diloco.executors.script import script_command
 from crf_diloco.layout import validate_name
 
 _SUMMARY_TAIL_LINES = 5
+EXECUTORS = ("local", "ray", "hf", "modal")
+_CLOUD = ("hf", "modal")
+_EXECUTOR_OPTIONS: dict[str, tuple[str, ...]] = {
+    "ray_address": ("ray",),
+    "ray_num_cpus": ("ray",),
+    "ray_num_gpus": ("ray",),
+    "image": _CLOUD,
+    "pip": _CLOUD,
+    "no_pip": _CLOUD,
+    "secret": _CLOUD,
+    "cancel_on_failure": _CLOUD,
+    "hf_flavor": ("hf",),
+    "hf_namespace": ("hf",),
+    "modal_gpu": ("modal",),
+    "modal_cpu": ("modal",),
+    "modal_memory": ("modal",),
+    "modal_secret": ("modal",),
+    "modal_app": ("modal",),
+}
+_STORE_EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure", "hf": "hf"}
 
 
 class _Interrupted(Exception):
@@ -78,6 +100,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _non_negative(text: str) -> float:
     try:
         value = float(text)
@@ -114,25 +146,111 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("--replicas", type=_positive_int, required=True, metavar="N", help="number of replicas")
     launch.add_argument("--uri", required=True, help="object-store URI or local folder shared by the replicas")
-    launch.add_argument("--executor", choices=("local", "ray"), default="local", help="where replicas run")
+    launch.add_argument("--executor", choices=EXECUTORS, default="local", help="where replicas run")
     launch.add_argument("--run-id", type=_run_id, default=None, help="run id (default: a fresh one)")
     launch.add_argument("--timeout", type=_seconds, default=None, metavar="S", help="stop replicas after S seconds")
     launch.add_argument(
         "--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE", help="extra replica env var"
     )
-    launch.add_argument("--ray-address", default=None, help="Ray cluster address (--executor ray; default: local)")
-    launch.add_argument(
-        "--ray-num-cpus", type=_non_negative, default=None, metavar="C", help="CPUs per replica (--executor ray; 1)"
+    ray = launch.add_argument_group("--executor ray")
+    ray.add_argument("--ray-address", default=None, help="Ray cluster address (default: a local one)")
+    ray.add_argument("--ray-num-cpus", type=_non_negative, default=None, metavar="C", help="CPUs per replica (1)")
+    ray.add_argument("--ray-num-gpus", type=_non_negative, default=None, metavar="G", help="GPUs per replica (0)")
+    cloud = launch.add_argument_group("--executor hf or modal (the script is shipped inside the command)")
+    cloud.add_argument("--image", default=None, help="container image (hf: Docker image; modal: registry image)")
+    cloud.add_argument(
+        "--pip",
+        action="append",
+        default=None,
+        metavar="REQ",
+        help="package the replicas install (repeatable; default: crf-diloco[<store extra>]==<this version>)",
     )
-    launch.add_argument(
-        "--ray-num-gpus", type=_non_negative, default=None, metavar="G", help="GPUs per replica (--executor ray; 0)"
+    cloud.add_argument("--no-pip", action="store_true", default=None, help="install nothing: the image has all")
+    cloud.add_argument(
+        "--secret", action="append", default=[], metavar="NAME", help="send this shell's variable NAME as a secret"
     )
-    launch.add_argument("script", help="the training script, run with this Python interpreter")
+    cloud.add_argument(
+        "--cancel-on-failure",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cancel the other replicas when one fails (default: yes)",
+    )
+    hf = launch.add_argument_group("--executor hf (Hugging Face Jobs; HF_TOKEN or `hf auth login`)")
+    hf.add_argument("--hf-flavor", default=None, metavar="FLAVOR", help="hardware per replica (cpu-basic)")
+    hf.add_argument("--hf-namespace", default=None, metavar="NS", help="user or org that runs the jobs")
+    modal = launch.add_argument_group("--executor modal (Modal; `modal token new` once)")
+    modal.add_argument("--modal-gpu", default=None, metavar="GPU", help="GPU per replica, e.g. H100 or A100-80GB:2")
+    modal.add_argument("--modal-cpu", type=_positive_float, default=None, metavar="C", help="CPU cores per replica")
+    modal.add_argument("--modal-memory", type=_positive_int, default=None, metavar="MIB", help="memory per replica")
+    modal.add_argument(
+        "--modal-secret", action="append", default=[], metavar="NAME", help="a secret stored in Modal (repeatable)"
+    )
+    modal.add_argument("--modal-app", default=None, metavar="NAME", help="Modal app name (crf-diloco)")
+    launch.add_argument("script", help="the training script (run by this Python, or shipped to cloud replicas)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return parser
 
 
-def _make_executor(args: argparse.Namespace) -> ServerlessExecutor[Any]:
+def _check_executor_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse options that belong to another executor (``--ray-*`` with ``hf``, ``--modal-gpu`` with ``ray``...)."""
+    for dest, executors in _EXECUTOR_OPTIONS.items():
+        if getattr(args, dest) not in (None, []) and args.executor not in executors:  # every default is None or []
+            parser.error(f"--{dest.replace('_', '-')} needs --executor {' or '.join(executors)}")
+    if args.no_pip and args.pip:
+        parser.error("--pip and --no-pip exclude each other")
+
+
+def default_requirement(uri: str) -> str:
+    """``crf-diloco[<extra>]==<this version>``, the extra chosen by the URI's scheme (``s3://`` → ``[s3]``)."""
+    extra = _STORE_EXTRAS.get(uri.split("://", 1)[0].lower()) if "://" in uri else None
+    return f"crf-diloco[{extra}]=={__version__}" if extra else f"crf-diloco=={__version__}"
+
+
+def _replica_command(args: argparse.Namespace, script_args: list[str], uri: str) -> list[str]:
+    """What each replica runs: this interpreter on the script, or (cloud) the script shipped inside the command."""
+    if args.executor not in ("hf", "modal"):
+        return [sys.executable, args.script, *script_args]
+    command = script_command(args.script, script_args)
+    requirements = _requirements(args, uri)
+    if args.executor == "hf" and requirements:  # Modal installs them into the image instead
+        command = ["uv", "run", "--no-project", *[a for r in requirements for a in ("--with", r)], "--", *command]
+    return command
+
+
+def _requirements(args: argparse.Namespace, uri: str) -> list[str]:
+    return [] if args.no_pip else list(args.pip or [default_requirement(uri)])
+
+
+def _make_executor(args: argparse.Namespace, uri: str) -> ServerlessExecutor[Any]:
+    """The executor ``--executor`` names, configured from its options (its SDK is imported here)."""
+    cancel = {} if args.cancel_on_failure is None else {"cancel_on_failure": args.cancel_on_failure}
+    if args.executor == "hf":
+        from crf_diloco.executors.hf_jobs import HFJobsExecutor
+
+        hf_options: dict[str, Any] = {"image": args.image} if args.image else {}
+        return HFJobsExecutor(
+            args.hf_flavor or "cpu-basic",
+            job_timeout_s=args.timeout,
+            namespace=args.hf_namespace,
+            secret_env=args.secret,
+            **hf_options,
+            **cancel,
+        )
+    if args.executor == "modal":
+        from crf_diloco.executors.modal import MAX_TIMEOUT_S, ModalExecutor
+
+        modal_options = {k: v for k, v in (("cpu", args.modal_cpu), ("memory", args.modal_memory)) if v is not None}
+        return ModalExecutor(
+            args.modal_app or "crf-diloco",
+            gpu=args.modal_gpu,
+            image=args.image,
+            pip=_requirements(args, uri),
+            timeout_s=min(args.timeout, MAX_TIMEOUT_S) if args.timeout else MAX_TIMEOUT_S,
+            secret_env=args.secret,
+            modal_secrets=args.modal_secret,
+            **modal_options,
+            **cancel,
+        )
     if args.executor == "ray":
         from crf_diloco.executors.ray import RayExecutor
 
@@ -160,9 +278,7 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``crf-diloco launch``; return the process exit status."""
-    ray_only = [flag for flag in ("ray_address", "ray_num_cpus", "ray_num_gpus") if getattr(args, flag) is not None]
-    if ray_only and args.executor != "ray":
-        parser.error(f"--{ray_only[0].replace('_', '-')} needs --executor ray")
+    _check_executor_options(args, parser)
     if not os.path.isfile(args.script):
         parser.error(f"script {args.script!r} is not a file")
     script_args = list(args.script_args)
@@ -173,11 +289,16 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     run_id = args.run_id or new_run_id()
-    command = [sys.executable, args.script, *script_args]
     try:
-        executor = _make_executor(args)
-    except ImportError as exc:
+        command = _replica_command(args, script_args, uri)
+        executor = _make_executor(args, uri)
+    except (ImportError, ValueError, TypeError) as exc:  # a missing SDK, an option the executor refuses
         parser.error(str(exc))
+    if args.executor in ("hf", "modal") and "://" not in args.uri:
+        sys.stderr.write(
+            f"crf-diloco: warning: --uri {args.uri} is a path on each replica's own machine; the replicas share it "
+            "only if the same folder is mounted on every one of them (use s3://, gs://, az:// or hf://)\n"
+        )
     sys.stderr.write(
         f"crf-diloco: launching {args.replicas} replicas of {args.script} "
         f"(executor {args.executor}, uri {uri}, run id {run_id})\n"
@@ -202,7 +323,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 128 + int(signum)
     except (ValueError, TypeError) as exc:  # bad --uri / --env, rejected before any replica starts
         parser.error(str(exc))
-    except OSError as exc:  # a replica could not be started; the others were stopped
+    except (OSError, RuntimeError) as exc:  # a replica could not be started; the others were stopped
         sys.stderr.write(f"crf-diloco: {exc}\n")
         return 1
     finally:

@@ -1,7 +1,8 @@
 """Executors: start N replicas of a training script that synchronise through an object store.
 
-`LocalProcessExecutor` (child processes) and `RayExecutor` (Ray tasks) are implemented; `ModalExecutor` and
-`HFJobsExecutor` are import-safe v0 skeletons whose constructors raise `NotImplementedError`.
+`LocalProcessExecutor` (child processes), `RayExecutor` (Ray tasks), `HFJobsExecutor` (Hugging Face Jobs) and
+`ModalExecutor` (Modal function calls) implement the `ServerlessExecutor` protocol. The cloud SDKs (``ray``,
+``huggingface_hub``, ``modal``) are imported only when an executor that needs one is constructed.
 """
 
 from crf_diloco.executors.base import (
@@ -13,10 +14,11 @@ from crf_diloco.executors.base import (
     raise_for_failures,
     run_replicas,
 )
-from crf_diloco.executors.hf_jobs import HFJobsExecutor
+from crf_diloco.executors.hf_jobs import HFJobHandle, HFJobsExecutor
 from crf_diloco.executors.local import LocalProcessExecutor, LocalReplicaHandle
-from crf_diloco.executors.modal import ModalExecutor
+from crf_diloco.executors.modal import ModalExecutor, ModalReplicaHandle
 from crf_diloco.executors.ray import RayExecutor, RayReplicaHandle
+from crf_diloco.executors.script import script_command
 from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_URI, ENV_WORLD_SIZE, replica_environment
 
 __all__ = [
@@ -24,10 +26,12 @@ __all__ = [
     "ENV_RUN_ID",
     "ENV_URI",
     "ENV_WORLD_SIZE",
+    "HFJobHandle",
     "HFJobsExecutor",
     "LocalProcessExecutor",
     "LocalReplicaHandle",
     "ModalExecutor",
+    "ModalReplicaHandle",
     "OutputCallback",
     "RayExecutor",
     "RayReplicaHandle",
@@ -38,4 +42,5 @@ __all__ = [
     "raise_for_failures",
     "replica_environment",
     "run_replicas",
+    "script_command",
 ]
