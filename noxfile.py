@@ -216,10 +216,13 @@ def ray(session: nox.Session) -> None:
 
 @nox.session(python=CI_PYTHON, tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff (lint + format check) and `uv lock --check`."""
+    """ruff (lint + format check), the dependency table as import-linter contracts, and `uv lock --check`."""
     session.install("-r", str(_export(session, "--only-group", "lint")))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # import-linter reads the sources; the packages need to be importable, their dependencies do not
+    session.install("--no-deps", *[arg for p in PACKAGES for arg in ("-e", str(ROOT / "packages" / p))])
+    session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
     session.run_install("uv", "lock", "--check", external=True)
 
 

@@ -203,10 +203,22 @@ def test_dppo_bounds_can_be_disabled(make_sample: Any) -> None:
 
 
 def test_advantages_shape_validates_seq_accepted(make_sample: Any) -> None:
+    """PRIME-RL's per-sample contract: every field ``(seq,)`` in, a 0-d per-sample sum out, the gradient
+    ``(seq,)`` on ``trainer_logprobs`` only, equal to the formula reference for the same sample."""
     sample = make_sample(seq=64)
-    assert sample["advantages"].shape == (64,)
+    for name in ("trainer_logprobs", "inference_logprobs", "advantages", "loss_mask"):
+        assert sample[name].shape == (64,), name
     out = loss_fn(_inputs(sample))
-    assert torch.isfinite(out.loss)
+    assert out.loss.shape == ()
+    assert out.loss.dtype == sample["trainer_logprobs"].dtype
+    want, want_metrics = _reference_for(sample)
+    torch.testing.assert_close(out.loss, want, rtol=1e-12, atol=1e-12)
+    grad = _grad(out.loss, sample["trainer_logprobs"])
+    assert grad.shape == (64,)
+    torch.testing.assert_close(grad, _grad(_reference_for(sample)[0], sample["trainer_logprobs"]))
+    assert set(out.metrics) == set(want_metrics)
+    for name, value in out.metrics.items():
+        assert value.shape == (), name
 
 
 def test_advantages_shape_validates_bt_rejected(make_sample: Any) -> None:
