@@ -202,10 +202,11 @@ def warm_start(
     import torch
 
     from crf_core.rewards import UnitTestReward
-    from crf_core.trainer.replay_dpo import load_pair_records
+    from crf_core.trainer.pair_files import read_pair_file
+    from crf_core.trainer.pairs import check_pair_records
     from crf_core.trainer.reprompt import build_reprompts
 
-    records = load_pair_records(pairs)
+    records = check_pair_records(read_pair_file(pairs))
     tests = {t["prompt"]: t["tests"] for t in tasks}
     scorer = UnitTestReward(prepend_prompt=False)
     feedback = {}
