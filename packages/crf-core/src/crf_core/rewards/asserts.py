@@ -27,6 +27,7 @@ Parsing is ``ast.parse`` on text of bounded length (``MAX_TEST_CHARS``) plus one
 from __future__ import annotations
 
 import ast
+import builtins
 import cmath
 import functools
 import math
@@ -66,6 +67,7 @@ _BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
 }  # fmt: skip
+_BUILTIN_NAMES = frozenset(dir(builtins)) | {"math", "cmath"}
 _VERDICT_CALLS = {"all", "any", "callable", "hasattr", "issubclass", "bool", "isinstance"}
 
 
@@ -144,7 +146,10 @@ class Check:
 
 @dataclass(frozen=True)
 class UnitTest:
-    """One entry of a dataset row's test list: its source, the imports it needs, and its checks (all must pass)."""
+    """One entry of a dataset row's test list: its source, the imports it needs, and its checks (all must pass).
+
+    An entry of imports only (MBPP's ``test_setup_code`` put in the list) has no checks and is not counted.
+    """
 
     source: str
     checks: tuple[Check, ...]
@@ -158,7 +163,10 @@ def parse_tests(tests: Sequence[str], unsplittable: Unsplittable = "refuse") -> 
     for test in tests:
         if not isinstance(test, str):
             raise ValueError(f"each test must be a str of Python statements, got {type(test).__name__}")
-    return tuple(parse_test(test, unsplittable) for test in tests)
+    parsed = tuple(parse_test(test, unsplittable) for test in tests)
+    if not any(test.checks for test in parsed):
+        raise UnsplittableTestError(f"the tests {bounded_repr(list(tests))} contain no assert statement")
+    return parsed
 
 
 @functools.lru_cache(maxsize=8192)
@@ -193,7 +201,7 @@ def parse_test(source: str, unsplittable: Unsplittable = "refuse") -> UnitTest:
                 )
             check = Check(text, text, "ran")
         checks.append(check)
-    if not checks:
+    if not checks and not setup:
         raise UnsplittableTestError(f"the test {bounded_repr(source)} contains no assert statement")
     return UnitTest(source, tuple(checks), tuple(setup))
 
@@ -217,13 +225,16 @@ def _split(test: ast.expr, text: str) -> Check | None:
 
 def _split_compare(left: ast.expr, op: str, right: ast.expr, text: str) -> Check | None:
     right_const, left_const = _constant(right), _constant(left)
+    absdiff = _split_absdiff(left, op, right_const, text)
+    if absdiff is not None:  # before the generic shape: a patched abs() must not be the probe
+        return absdiff
     if right_const is not _NOT_CONST and left_const is _NOT_CONST and _is_probe(left):
         probe, expected = left, right_const
     elif left_const is not _NOT_CONST and right_const is _NOT_CONST and _is_probe(right):
         probe, expected = right, left_const
         op = {"in": "contains", "not in": "not contains"}.get(op) or _MIRROR[op]
     else:
-        return _split_absdiff(left, op, right_const, text)
+        return None
     if op in ("is", "is not") and not (expected is None or isinstance(expected, bool)):
         return None  # identity with other objects cannot be checked across processes
     return Check(text, ast.unparse(probe), "compare", op=op, expected=expected)
@@ -270,9 +281,11 @@ def _split_isclose(call: ast.Call, text: str) -> Check | None:
 
 
 def _is_probe(node: ast.expr) -> bool:
-    """Whether ``node`` is a value under test, not a verdict the sandbox could fake or a constant."""
+    """Whether ``node`` is a value under test: it names something of the candidate's, and is not a verdict."""
     if _constant(node) is not _NOT_CONST:
         return False
+    if not any(isinstance(n, ast.Name) and n.id not in _BUILTIN_NAMES for n in ast.walk(node)):
+        return False  # nothing of the candidate's is called: the value is fixed in advance
     if isinstance(node, (ast.Compare, ast.BoolOp, ast.Lambda, ast.NamedExpr)):
         return False
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):

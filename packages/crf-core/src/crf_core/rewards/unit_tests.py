@@ -127,10 +127,11 @@ class UnitTestReward:
         Raises ``ValueError`` (``UnsplittableTestError``) for tests it cannot split; never for ``code``.
         """
         specs = parse_tests(tests, self.unsplittable)
+        counted = sum(1 for spec in specs if spec.checks)
         if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
             raise ValueError(f"entry_point must be a Python identifier, got {entry_point!r}")
         if not isinstance(code, str):
-            return TestOutcome(0, len(specs), "The completion is not text.")
+            return TestOutcome(0, counted, "The completion is not text.")
         try:
             checks = [check for spec in specs for check in spec.checks]
             job = {
@@ -150,7 +151,7 @@ class UnitTestReward:
             return self._judge(specs, len(checks), result)
         except Exception:  # a bug or an OS failure here must not stop training
             _log.exception("crf UnitTestReward: scoring failed; the completion scores 0")
-            return TestOutcome(0, len(specs), "The tests could not be run (an internal error; see the trainer log).")
+            return TestOutcome(0, counted, "The tests could not be run (an internal error; see the trainer log).")
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
         if self.tests_key not in kwargs:
@@ -187,6 +188,7 @@ class UnitTestReward:
         return [o.reward for o in outcomes]
 
     def _judge(self, specs: Sequence[UnitTest], probes: int, result: SandboxResult) -> TestOutcome:
+        specs = [spec for spec in specs if spec.checks]  # import-only entries are setup, not tests
         total = len(specs)
         if result.error is not None:
             _log.warning("crf UnitTestReward: the sandbox failed: %s", result.error)
