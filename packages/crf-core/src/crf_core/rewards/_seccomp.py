@@ -23,6 +23,7 @@ linux ``include/uapi/linux/seccomp.h``, ``filter.h``, ``audit.h``; syscall table
 from __future__ import annotations
 
 import errno
+import functools
 import platform
 import struct
 
@@ -75,6 +76,7 @@ _CLONE3 = 435
 _ARCHES = {"x86_64": (0xC000003E, 0, 0x40000000), "aarch64": (0xC00000B7, 1, None), "arm64": (0xC00000B7, 1, None)}
 
 
+@functools.cache
 def seccomp_filter(machine: str | None = None) -> bytes | None:
     """The filter as packed ``struct sock_filter`` records for ``machine`` (default: this one), or None if unsupported."""
     arch = _ARCHES.get(machine or platform.machine())
