@@ -12,13 +12,13 @@ The policy under RL is an adversary of its reward, so both halves assume hostile
 * ``extract_code`` takes the code out of a completion in linear time.
 
 Layering: ``sandbox`` knows nothing of rewards; ``unit_tests`` uses everything else; nothing here
-imports the trainer.
+imports the trainer (the text of chat completions comes from ``crf_core.messages``).
 """
 
 from __future__ import annotations
 
 from crf_core.rewards.asserts import Check, UnitTest, UnsplittableTestError, parse_test, parse_tests
-from crf_core.rewards.extract import completion_text, extract_code
+from crf_core.rewards.extract import extract_code
 from crf_core.rewards.sandbox import (
     SandboxResult,
     SandboxUnavailableError,
@@ -38,7 +38,6 @@ __all__ = [
     "UnsplittableTestError",
     "bubblewrap_problem",
     "bubblewrap_usable",
-    "completion_text",
     "extract_code",
     "parse_test",
     "parse_tests",

@@ -7,10 +7,7 @@ Each function here reads its input a bounded number of times.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-__all__ = ["completion_text", "extract_code"]
+__all__ = ["extract_code"]
 
 _FENCE = "```"
 _PYTHON_TAGS = ("", "python", "py", "python3", "py3")
@@ -41,27 +38,3 @@ def extract_code(completion: str) -> str:
         if close < 0:
             return completion
         start = close + len(_FENCE)  # skip the other block, closing fence included
-
-
-def completion_text(completion: Any) -> str:
-    """A TRL completion as text: the string itself, or the joined text of a list of chat messages.
-
-    Message content may be a string, ``None`` or a list of ``{"type": "text", "text": ...}`` parts.
-    Raises TypeError for any other shape (TRL passes only these).
-    """
-    if isinstance(completion, str):
-        return completion
-    if not isinstance(completion, Sequence):
-        raise TypeError(f"a completion must be a str or a list of chat messages, got {type(completion).__name__}")
-    parts: list[str] = []
-    for message in completion:
-        if not isinstance(message, Mapping):
-            raise TypeError(f"a chat message must be a dict, got {type(message).__name__}")
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
-        elif content is not None:
-            raise TypeError(f"message content must be a str, a list of parts or None, got {type(content).__name__}")
-    return "".join(parts)

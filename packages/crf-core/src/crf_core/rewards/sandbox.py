@@ -34,7 +34,6 @@ FIFO or a link), and leaves no process and no file behind.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -206,7 +205,11 @@ def run_python(
     if extra_env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in extra_env.items()):
         raise TypeError("extra_env must map str to str")
     require_isolation(isolation, python)
-    return _execute(code, stdin, limits, interpreter(python), isolation, dict(extra_env or {}))
+    try:
+        interp = interpreter(python)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ValueError(f"python={python!r} cannot be run: {exc}") from exc
+    return _execute(code, stdin, limits, interp, isolation, dict(extra_env or {}))
 
 
 def require_isolation(isolation: str, python: str | None = None) -> None:
@@ -229,7 +232,11 @@ def bubblewrap_usable(python: str | None = None) -> bool:
 
 
 def bubblewrap_problem(python: str | None = None) -> str | None:
-    """Why bubblewrap cannot isolate programs here, or None when it can (the check runs once and is cached)."""
+    """Why bubblewrap cannot isolate programs here, or None when it can.
+
+    The check runs a small program under bubblewrap; a success is remembered per (bwrap, interpreter, user),
+    a failure is checked again on the next call.
+    """
     bwrap = find_bwrap()
     if bwrap is None:
         return f"bwrap is not installed (Debian/Ubuntu package `{BWRAP_PACKAGE}`)"
@@ -237,19 +244,20 @@ def bubblewrap_problem(python: str | None = None) -> str | None:
         interp = interpreter(python)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"cannot run the interpreter {python!r}: {exc}"
-    return _probe(bwrap, interp, os.geteuid())
-
-
-@functools.lru_cache(maxsize=16)
-def _probe(bwrap: str, interp: Interpreter, euid: int) -> str | None:
-    del bwrap, euid  # cache keys: a new bwrap on PATH or another user is checked again
+    key = (bwrap, interp, os.geteuid())
+    if key in _WORKING:
+        return None
     limits = _Limits.checked(30.0, 512, 4000, 16, 16, 64, 64)
     result = _execute("import sys; sys.stdout.write('ok')", "", limits, interp, "bwrap", {})
     if result.error is not None:
         return result.error
     if not result.ok or result.stdout != "ok":
         return f"a test program failed under bubblewrap: {result.describe()[:500]}"
+    _WORKING.add(key)
     return None
+
+
+_WORKING: set[tuple[str, Interpreter, int]] = set()
 
 
 _warned = threading.Event()

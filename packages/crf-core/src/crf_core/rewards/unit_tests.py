@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from crf_core.messages import message_text
 from crf_core.rewards import _harness
 from crf_core.rewards.asserts import Check, UnitTest, Unsplittable, parse_tests
-from crf_core.rewards.extract import completion_text, extract_code
+from crf_core.rewards.extract import extract_code
 from crf_core.rewards.record import MalformedRecord, NotData, Raised, Returned, bounded_repr, parse_record
 from crf_core.rewards.sandbox import Isolation, SandboxResult, require_isolation, run_python
 
@@ -173,7 +174,7 @@ class UnitTestReward:
             parse_tests(tests, self.unsplittable)
         programs = []
         for prompt, completion in zip(prompts, completions, strict=True):
-            code = extract_code(completion_text(completion))
+            code = extract_code(message_text(completion))
             if self.prepend_prompt:
                 if not isinstance(prompt, str):
                     raise TypeError("prepend_prompt=True needs plain-text prompts; set prepend_prompt=False for chat")

@@ -24,7 +24,9 @@ import math
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
+
+from crf_core.messages import PromptLike, content_text, message_text
 
 __all__ = [
     "DEFAULT_FEEDBACK_TEMPLATE",
@@ -43,8 +45,6 @@ DEFAULT_REPROMPT_TEMPLATE = "{prompt}{solution}{feedback}\n\nCorrectly solve the
 DEFAULT_SOLUTION_TEMPLATE = "\nCorrect solution:\n\n{successful_previous_attempt}\n\n"
 DEFAULT_FEEDBACK_TEMPLATE = "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n"
 
-Messages = Sequence[Mapping[str, Any]]
-PromptLike = Union[str, Messages]  # noqa: UP007 (a runtime alias; `|` needs 3.10 typing on both sides)
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -147,30 +147,6 @@ def strip_thinking(text: str) -> str:
     return "".join(kept).strip()
 
 
-def message_text(value: PromptLike) -> str:
-    """Text of a completion/prompt: the string itself, or the joined text of a message list's contents."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, Sequence):
-        raise TypeError(f"expected a str or a list of chat messages, got {type(value).__name__}")
-    parts: list[str] = []
-    for message in value:
-        if not isinstance(message, Mapping) or "content" not in message:
-            raise TypeError("chat messages must be dicts with a 'content' key")
-        parts.append(_content_text(message["content"]))
-    return "".join(parts)
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
-    raise TypeError(f"message content must be str, a list of parts or None, got {type(content).__name__}")
-
-
 def _is_success(reward: float, threshold: float) -> bool:
     return not math.isnan(reward) and reward >= threshold
 
@@ -271,4 +247,4 @@ def _last_user_text(prompt: PromptLike) -> str:
     messages = list(prompt)
     if not messages or not isinstance(messages[-1], Mapping) or messages[-1].get("role") != "user":
         raise ValueError("a chat prompt must end with a user message for SDPO reprompting; got another role last")
-    return _content_text(messages[-1].get("content"))
+    return content_text(messages[-1].get("content"))
