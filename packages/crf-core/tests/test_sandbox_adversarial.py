@@ -8,6 +8,7 @@ host's temporary folder. The ids below are the attacks; ``ATTACKS`` is counted i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -546,7 +547,8 @@ def host(tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch) -> Host
     secret = "sk-or-" + uuid.uuid4().hex
     (canary / "secret.txt").write_text(secret)
     monkeypatch.setenv("OPENROUTER_API_KEY", secret)
-    site_dirs = sorted({*site.getsitepackages(), sysconfig.get_paths()["purelib"]})
+    base_purelib = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})["purelib"]
+    site_dirs = sorted({*site.getsitepackages(), sysconfig.get_paths()["purelib"], base_purelib, sys.base_prefix})
     return Host(token, private_tmp, canary, secret, listener, site_dirs)
 
 
@@ -568,9 +570,13 @@ def _leftovers(token: str) -> list[str]:
 
 def _cleanup_escapes(host: Host) -> None:
     """Remove anything an attack managed to write (so a failing run does not pollute the machine)."""
-    for folder in [os.getcwd(), str(Path.home()), "/etc", "/usr", "/", "/var/tmp", *host.site_dirs]:
-        for name in (f"escape-{host.token}", f"crf_attack_{host.token}.pth"):
-            Path(folder, name).unlink(missing_ok=True)
+    base_purelib = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})["purelib"]
+    folders = [os.getcwd(), str(Path.home()), "/etc", "/usr", "/", "/tmp", "/var/tmp", "/dev/shm"]
+    folders += [*host.site_dirs, sys.prefix, sys.base_prefix, base_purelib]
+    for folder in folders:
+        for name in (f"escape-{host.token}", f"crf_attack_{host.token}.pth", host.token):
+            with contextlib.suppress(OSError):
+                Path(folder, name).unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
