@@ -154,8 +154,22 @@ def bwrap_command(
     argv += [
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
-        "--ro-bind", "/usr", "/usr",
+        *_filesystem(python, tmp_bytes),
     ]  # fmt: skip
+    for key, value in env.items():
+        argv += ["--setenv", key, value]
+    argv += ["--json-status-fd", str(status_fd)]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+        fds.append(seccomp_fd)
+    argv.append("--")
+    return argv, fds, drop_uid
+
+
+@functools.lru_cache(maxsize=16)
+def _filesystem(python: Interpreter, tmp_bytes: int) -> tuple[str, ...]:
+    """The mount arguments (see the module docstring); computed once per interpreter and tmpfs size."""
+    argv = ["--ro-bind", "/usr", "/usr"]
     for link in _USR_LINKS:
         if os.path.islink(link):
             argv += ["--symlink", os.readlink(link), link]
@@ -172,16 +186,16 @@ def bwrap_command(
         "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
         "--remount-ro", "/", "--chdir", "/tmp",
     ]  # fmt: skip
-    for key, value in env.items():
-        argv += ["--setenv", key, value]
-    argv += ["--json-status-fd", str(status_fd)]
-    if seccomp_fd is not None:
-        argv += ["--seccomp", str(seccomp_fd)]
-        fds.append(seccomp_fd)
-    argv.append("--")
-    return argv, fds, drop_uid
+    return tuple(argv)
 
 
 def find_bwrap() -> str | None:
-    """The ``bwrap`` executable on ``PATH`` (or in /usr/bin), if any."""
-    return shutil.which("bwrap") or shutil.which("bwrap", path="/usr/bin:/bin")
+    """The ``bwrap`` executable on ``PATH`` (or in /usr/bin), if any; a hit is remembered per ``PATH``."""
+    path = os.environ.get("PATH", "")
+    found = _FOUND.get(path) or shutil.which("bwrap", path=path) or shutil.which("bwrap", path="/usr/bin:/bin")
+    if found:
+        _FOUND[path] = found
+    return found
+
+
+_FOUND: dict[str, str] = {}
