@@ -178,6 +178,12 @@ try:
     print("CONNECTED dns")
 except OSError:
     pass
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\\0crf-" + HOST["token"])  # an abstract unix socket the host listens on
+    print("CONNECTED abstract socket")
+except OSError as exc:
+    print("refused abstract", exc)
 """,
         _all(_no_line("CONNECTED"), _no_connection),
     ),
@@ -313,6 +319,8 @@ except OSError as exc:
     print("memfd refused", exc)
 if libc.shmget(0, 1 << 30, 0o1000 | 0o600) != -1:
     print("ESCAPED shmget")
+if libc.msgget(0, 0o1000 | 0o600) != -1:
+    print("ESCAPED msgget")
 if libc.unshare(0x10000000 | 0x00020000) == 0:
     print("ESCAPED unshare")
 """,
@@ -536,7 +544,7 @@ def signals_received() -> Iterator[list[int]]:
 
 
 @pytest.fixture
-def host(tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch) -> Host:
+def host(tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
     token = "crfattack" + uuid.uuid4().hex[:12]
     private_tmp = tmp_path / "host-tmp"
     private_tmp.mkdir()
@@ -549,7 +557,11 @@ def host(tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch) -> Host
     monkeypatch.setenv("OPENROUTER_API_KEY", secret)
     base_purelib = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})["purelib"]
     site_dirs = sorted({*site.getsitepackages(), sysconfig.get_paths()["purelib"], base_purelib, sys.base_prefix})
-    return Host(token, private_tmp, canary, secret, listener, site_dirs)
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # host services listen on abstract sockets too
+    abstract.bind("\0crf-" + token)
+    abstract.listen()
+    yield Host(token, private_tmp, canary, secret, listener, site_dirs)
+    abstract.close()
 
 
 def _leftovers(token: str) -> list[str]:

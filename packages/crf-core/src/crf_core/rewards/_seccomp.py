@@ -1,12 +1,13 @@
 """A classic-BPF seccomp filter for the sandbox: deny the system calls that escape the rlimits.
 
 RLIMIT_AS bounds a process's address space, but memory can be held outside it: ``memfd_create``
-files, SysV shared-memory segments kept after detaching, and tmpfs mounts in a nested user
+files, SysV shared-memory segments and message queues, and tmpfs mounts in a nested user
 namespace. Namespaces and mounts are also the kernel's widest attack surface. This filter (given
 to bubblewrap with ``--seccomp FD``, applied to the sandboxed process and everything it starts)
 makes these calls fail with ``EPERM``:
 
-* ``memfd_create``, ``memfd_secret``, ``shmget``, ``shmat`` (memory outside RLIMIT_AS);
+* ``memfd_create``, ``memfd_secret``, ``shmget``, ``shmat``, ``msgget`` (memory outside RLIMIT_AS:
+  anonymous files, SysV segments kept after detaching, SysV message queues);
 * ``unshare``, ``setns``, ``clone``/``clone3`` with a namespace flag, ``mount`` and the new mount
   API, ``pivot_root`` (namespaces and mounts);
 * ``ptrace``, ``process_vm_readv/writev``, ``bpf``, ``userfaultfd``, ``perf_event_open``,
@@ -45,6 +46,7 @@ _DENIED = {
     "memfd_secret": (447, 447),
     "shmget": (29, 194),
     "shmat": (30, 196),
+    "msgget": (68, 186),
     "unshare": (272, 97),
     "setns": (308, 268),
     "mount": (165, 40),
