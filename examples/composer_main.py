@@ -8,10 +8,11 @@ Run it from an environment with every crf package installed (``uv sync`` at the 
 What happens, with nothing to set up:
 
 1. **Task.** ``data/coding_tasks.jsonl``: write a one-line Python function body (``def add(a, b):\\n
-   return`` → `` a + b``). The reward (``crf_core.rewards.UnitTestReward``) runs each completion's
-   unit tests in ``crf_core.sandbox`` (separate process, time and memory limits, scrubbed
-   environment, temporary directory); the fraction of passed tests is the reward and the failure
-   account is the SDPO feedback.
+   return`` → `` a + b``). The reward (``crf_core.rewards.UnitTestReward``) runs each completion in
+   the sandbox (``crf_core.rewards.run_python``: bubblewrap when it is usable here, otherwise
+   resource limits only, as the output says) and compares the values it returns with the tests'
+   expected values; the fraction of passed tests is the reward and the failure account is the
+   SDPO feedback.
 2. **Trace replay.** ``data/coding_traces.jsonl`` holds recorded answers of a weak student. crf-replaysim
    replays them against a teacher (by default a local OpenAI-compatible endpoint on 127.0.0.1 that
    answers with each task's reference solution; ``--teacher-url`` uses a real one) and normalises the
@@ -33,6 +34,7 @@ What happens, with nothing to set up:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -43,13 +45,33 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 DATA = Path(__file__).resolve().parent / "data"
 CHANNELS = ("grpo", "sdpo_jsd", "trace_replay_dpo")
 
 
-# --------------------------------------------------------------------------- data and teacher
+# --------------------------------------------------------------------------- sandbox, data and teacher
+@functools.cache
+def sandbox_isolation() -> Literal["bwrap", "rlimits"]:
+    """``"bwrap"`` when bubblewrap works here, else ``"rlimits"`` (resource limits only), so a fresh machine runs."""
+    from crf_core.rewards import bubblewrap_usable
+
+    return "bwrap" if bubblewrap_usable() else "rlimits"
+
+
+def describe_sandbox() -> str:
+    """The line the job prints about how generated code is isolated."""
+    if sandbox_isolation() == "bwrap":
+        return "sandbox: bubblewrap (namespaces, read-only root, private /tmp, seccomp, rlimits)"
+    from crf_core.rewards import bubblewrap_problem
+
+    return (
+        f"sandbox: rlimits only (bubblewrap is not usable here: {bubblewrap_problem()}); "
+        "install the `bubblewrap` package to isolate generated code"
+    )
+
+
 def load_tasks(path: Path = DATA / "coding_tasks.jsonl") -> list[dict[str, Any]]:
     """The coding tasks: ``name``, ``prompt`` (signature), ``solution`` (reference body) and ``tests``."""
     tasks = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -208,7 +230,7 @@ def warm_start(
 
     records = check_pair_records(read_pair_file(pairs))
     tests = {t["prompt"]: t["tests"] for t in tasks}
-    scorer = UnitTestReward(prepend_prompt=False)
+    scorer = UnitTestReward(prepend_prompt=False, isolation=sandbox_isolation())
     feedback = {}
     for record in records:  # what the sandbox says about each recorded wrong answer
         prompt = record["prompt_messages"][-1]["content"]
@@ -288,7 +310,7 @@ def evaluate(
     model.train(was_training)
     completions = tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
     repeated = [t for t in tasks for _ in range(samples)]  # generate() groups the samples of a prompt
-    reward = UnitTestReward(timeout_s=timeout_s, max_workers=2)
+    reward = UnitTestReward(timeout_s=timeout_s, max_workers=2, isolation=sandbox_isolation())
     scores = reward([t["prompt"] for t in repeated], completions, tests=[t["tests"] for t in repeated])
     return sum(scores) / len(scores)
 
@@ -411,7 +433,7 @@ def _build_replica(
         trace_replay_path=str(pairs) if opts.dpo_weight > 0 else None,
         trace_replay_batch_size=4,
     )
-    reward = UnitTestReward(timeout_s=opts.sandbox_timeout, max_workers=1)
+    reward = UnitTestReward(timeout_s=opts.sandbox_timeout, max_workers=1, isolation=sandbox_isolation())
     trainer = ComposerReplicationTrainer(
         model=model,
         reward_funcs=reward,
@@ -666,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> list[ReplicaResult]:
         f"store {store}, output {output}",
         flush=True,
     )
+    print(describe_sandbox(), flush=True)
     tasks = load_tasks()
     pairs = build_trace_pairs(output, tasks, opts.teacher_url, opts.teacher_model)
     policy = build_policy(opts.model, seed=opts.seed)

@@ -1,7 +1,8 @@
-"""Shared fixtures for crf-core tests: tiny Hugging Face causal LMs built from a config (no downloads)."""
+"""Shared fixtures for crf-core tests: tiny Hugging Face causal LMs built from a config (no downloads), bubblewrap."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,3 +44,17 @@ def make_tiny_causal_lm() -> Callable[..., Any]:
 def tiny_causal_lm(make_tiny_causal_lm: Callable[..., Any]) -> Any:
     """A tiny ``LlamaForCausalLM`` (vocab 96, one layer), seeded."""
     return make_tiny_causal_lm()
+
+
+@pytest.fixture
+def bwrap() -> None:
+    """Require a usable bubblewrap: skip (naming the Debian package) outside CI, fail when ``CI=true``."""
+    from crf_core.rewards import bubblewrap_problem
+
+    problem = bubblewrap_problem()
+    if problem is None:
+        return
+    message = f"bubblewrap is not usable here ({problem}); install the Debian package `bubblewrap`"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message + " (CI=true: tests that need it must run)")
+    pytest.skip(message)

@@ -50,6 +50,8 @@ def _check_run(main: ModuleType, out: Path, steps: int, sync_every: int, capsys:
     assert "trace replay: 12 pairs" in printed
     assert "kept 12 of 12" in printed
     assert "pass rate before RL: " in printed
+    sandbox_line = next(line for line in printed.splitlines() if line.startswith("sandbox: "))
+    assert sandbox_line.startswith(("sandbox: bubblewrap", "sandbox: rlimits only"))
     header = next(line for line in printed.splitlines() if line.startswith(" replica |"))
     for column in ("reward (first", "pass rate (before -> after RL)", "grpo", "sdpo_jsd", "trace_replay_dpo"):
         assert column in header, column
@@ -65,6 +67,27 @@ def test_main_job_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     start = time.monotonic()
     _check_run(_load(), tmp_path, steps=4, sync_every=2, capsys=capsys)
     assert time.monotonic() - start < 120  # < 60 s on an idle 2-core machine
+
+
+def test_main_job_falls_back_to_rlimits_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine without bubblewrap the job still runs, isolating with resource limits only, and prints that."""
+    import crf_core.rewards.sandbox as sandbox
+
+    main = _load()
+    monkeypatch.setattr(sandbox, "find_bwrap", lambda: None)
+    main.sandbox_isolation.cache_clear()
+    try:
+        assert main.sandbox_isolation() == "rlimits"
+        line = main.describe_sandbox()
+        assert line.startswith("sandbox: rlimits only")
+        assert "`bubblewrap`" in line
+        task = main.load_tasks()[0]
+        from crf_core.rewards import UnitTestReward
+
+        reward = UnitTestReward(isolation=main.sandbox_isolation())
+        assert reward([task["prompt"]], [task["solution"]], tests=[task["tests"]]) == [1.0]
+    finally:
+        main.sandbox_isolation.cache_clear()
 
 
 def test_reward_ends_and_running_mean() -> None:

@@ -121,3 +121,17 @@ def test_bad_inputs_are_rejected() -> None:
         build_reprompts(["p"] * 2, ["a"] * 2, [0.0] * 2, [3, None], 2)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="end with a user message"):
         build_reprompts([[{"role": "assistant", "content": "x"}]] * 2, ["a", "b"], [1.0, 0.0], None, 2)
+
+
+def test_strip_thinking_matches_the_regex_and_is_linear() -> None:
+    import random
+    import re
+
+    regex = re.compile(r"<think>.*?</think>", flags=re.DOTALL)
+    rng = random.Random(0)
+    pieces = ["<think>", "</think>", "a", " ", "\n", "<", "think>", "</", "x</think>"]
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(12)))
+        assert strip_thinking(text) == regex.sub("", text).strip(), text
+    hostile = "<think>" * 300_000  # the regex takes hours on this; the scan is linear
+    assert strip_thinking(hostile) == hostile

@@ -1,0 +1,201 @@
+"""The bubblewrap command line of one sandboxed run, and whether bubblewrap works on this machine.
+
+Layout inside the sandbox: new user, pid, network, ipc, uts and cgroup namespaces; ``/usr`` (with
+the merged-usr links ``/bin``, ``/lib``, ``/lib64``, ``/sbin``), ``/etc/ld.so.cache`` and the
+interpreter's own prefix bound read-only at their host paths; a private ``/proc`` (only the
+sandbox's processes) and ``/dev`` (null, zero, full, random, urandom, tty), both read-only where
+they are filesystems; one writable size-limited tmpfs at ``/tmp``, the working directory and
+``HOME``; the root itself read-only. Nothing else of the host (its home directories, its ``/tmp``,
+site-packages, sockets) exists inside. The environment is cleared; bubblewrap puts the program in
+a new session and kills it when the caller dies (``--die-with-parent``). All capabilities are
+dropped and the seccomp filter of :mod:`crf_core.rewards._seccomp` is applied.
+
+User ids: run by a normal user, the sandbox's user is that user in a new user namespace (nested
+user namespaces disabled), so ``RLIMIT_NPROC`` counts only the sandbox's processes. Run by root,
+the kernel ignores ``RLIMIT_NPROC`` for uid 0, so the sandbox joins a user namespace created once
+per trainer process that maps its uid 0 to root (bubblewrap sets up the mounts as root, so it can
+read an interpreter under ``/root``) and 65534 to ``nobody``; the bootstrap then drops to 65534
+(``CAP_SETUID``/``CAP_SETGID`` are the only capabilities kept, and only until that drop).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BWRAP_PACKAGE", "SANDBOX_UID", "Interpreter", "bwrap_command", "interpreter"]
+
+BWRAP_PACKAGE = "bubblewrap"
+SANDBOX_UID = 65534  # nobody: the uid untrusted code runs as when the trainer is root
+_USR_LINKS = ("/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin")
+_CLONE_NEWUSER = 0x10000000
+_USERNS_HELPER = f"""
+import ctypes, sys
+if ctypes.CDLL(None, use_errno=True).unshare({_CLONE_NEWUSER}) != 0:
+    sys.stderr.write("unshare(CLONE_NEWUSER) failed: errno " + str(ctypes.get_errno()))
+    sys.exit(1)
+sys.stdout.write("r")
+sys.stdout.flush()
+sys.stdin.read(1)
+"""
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """A Python interpreter as the sandbox runs it: its resolved path and the host directories it needs."""
+
+    path: str
+    binds: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=16)
+def interpreter(python: str | None = None) -> Interpreter:
+    """Resolve ``python`` (default ``sys.executable``) and the directories outside ``/usr`` it runs from.
+
+    A virtual environment's ``python`` is a link to its base interpreter; with ``-I -S`` the base
+    interpreter alone is run, so only its prefix (standard library, ``libpython``) is bound.
+    """
+    path = os.path.realpath(python or sys.executable)
+    if python is None or path == os.path.realpath(sys.executable):
+        prefixes = [sys.base_prefix, sys.base_exec_prefix]
+    else:
+        out = subprocess.run(
+            [path, "-I", "-S", "-c", "import sys; print(sys.base_prefix); print(sys.base_exec_prefix)"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        prefixes = out.stdout.split("\n")[:2]
+    dirs = {os.path.realpath(p) for p in [*prefixes, os.path.dirname(path)] if p}
+    outside = sorted(d for d in dirs if d != "/" and not _under(d, "/usr"))
+    binds = tuple(d for d in outside if not any(_under(d, other) for other in outside if other != d))
+    return Interpreter(path, binds)
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b/c`` -> ``["/a", "/a/b"]``."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+_userns_lock = threading.Lock()
+_userns_fd: int | None = None
+
+
+def _root_userns() -> int:
+    """A user namespace fd mapping 0 -> root and SANDBOX_UID -> SANDBOX_UID (created once; root only).
+
+    Raises OSError when the kernel refuses (no user namespaces, or a container without the rights).
+    """
+    global _userns_fd
+    with _userns_lock:
+        if _userns_fd is not None:
+            return _userns_fd
+        helper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _USERNS_HELPER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            assert helper.stdout is not None
+            if helper.stdout.read(1) != b"r":
+                err = helper.stderr.read().decode(errors="replace") if helper.stderr else ""
+                raise OSError(f"cannot create a user namespace: {err.strip() or 'helper failed'}")
+            mapping = f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n"
+            for name in ("uid_map", "gid_map"):
+                Path(f"/proc/{helper.pid}/{name}").write_text(mapping, encoding="ascii")
+            _userns_fd = os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+            return _userns_fd
+        finally:
+            if helper.stdin is not None:
+                helper.stdin.close()
+            helper.kill()
+            helper.wait()
+            for stream in (helper.stdout, helper.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+def bwrap_command(
+    bwrap: str,
+    python: Interpreter,
+    *,
+    tmp_bytes: int,
+    env: dict[str, str],
+    status_fd: int,
+    seccomp_fd: int | None,
+) -> tuple[list[str], list[int], int]:
+    """``(argv prefix up to and including '--', fds bwrap must inherit, uid the bootstrap drops to or -1)``.
+
+    Raises OSError when the trainer is root and no user namespace can be created.
+    """
+    argv = [bwrap]
+    fds = [status_fd]
+    if os.geteuid() == 0:
+        userns = _root_userns()
+        argv += ["--userns", str(userns), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        fds.append(userns)
+        drop_uid = SANDBOX_UID
+    else:
+        argv += ["--unshare-user", "--disable-userns"]
+        drop_uid = -1
+    argv += [
+        "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
+        *_filesystem(python, tmp_bytes),
+    ]  # fmt: skip
+    for key, value in env.items():
+        argv += ["--setenv", key, value]
+    argv += ["--json-status-fd", str(status_fd)]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+        fds.append(seccomp_fd)
+    argv.append("--")
+    return argv, fds, drop_uid
+
+
+@functools.lru_cache(maxsize=16)
+def _filesystem(python: Interpreter, tmp_bytes: int) -> tuple[str, ...]:
+    """The mount arguments (see the module docstring); computed once per interpreter and tmpfs size."""
+    argv = ["--ro-bind", "/usr", "/usr"]
+    for link in _USR_LINKS:
+        if os.path.islink(link):
+            argv += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link) and not _under(os.path.realpath(link), "/usr"):
+            argv += ["--ro-bind", link, link]
+    binds = list(python.binds)
+    cache = ["/etc/ld.so.cache"] if os.path.isfile("/etc/ld.so.cache") else []
+    for parent in sorted({a for path in [*binds, *cache] for a in _ancestors(path)}):
+        argv += ["--perms", "0755", "--dir", parent]  # bubblewrap would otherwise create them 0700
+    for path in [*cache, *binds]:
+        argv += ["--ro-bind", path, path]
+    argv += [
+        "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+        "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
+        "--remount-ro", "/", "--chdir", "/tmp",
+    ]  # fmt: skip
+    return tuple(argv)
+
+
+def find_bwrap() -> str | None:
+    """The ``bwrap`` executable on ``PATH`` (or in /usr/bin), if any; a hit is remembered per ``PATH``."""
+    path = os.environ.get("PATH", "")
+    found = _FOUND.get(path) or shutil.which("bwrap", path=path) or shutil.which("bwrap", path="/usr/bin:/bin")
+    if found:
+        _FOUND[path] = found
+    return found
+
+
+_FOUND: dict[str, str] = {}
