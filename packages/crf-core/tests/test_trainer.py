@@ -13,9 +13,7 @@ pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
 
 import torch
 from datasets import Dataset
-from trl import GRPOTrainer
 
-from crf_core.loss import compose_loss
 from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
 from crf_core.trainer.pairs import collate_pairs
 from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
@@ -127,7 +125,10 @@ def _batch(trainer: ComposerReplicationTrainer) -> dict[str, Any]:
     return trainer._generate_and_score_completions(rows)
 
 
-def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> None:
+def test_composition_teacher_prompts_and_initial_reference(tmp_path: Path) -> None:
+    """The trainer's wiring: teacher prompts from the group, the weighted/GA-scaled sum of the logged channels,
+    and the 'initial' DPO reference equal to the untrained policy's summed log-probs (plain PyTorch). The channel
+    math itself has one home (crf_core.channels) and its own float64-reference tests."""
     trainer = _trainer(
         tmp_path,
         PAIRS,
@@ -139,7 +140,6 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
     )
     trainer.current_gradient_accumulation_steps = 2  # what Trainer sets inside its loop
     batch = _batch(trainer)
-    model = trainer.model
     # failures (even rows) get their peer's success as demonstration plus their feedback; the
     # successes have neither (their only peer failed, no feedback) and are masked out
     assert batch["sdpo_mask"].tolist() == [1.0, 0.0, 1.0, 0.0]
@@ -150,73 +150,27 @@ def test_channel_values_match_compose_loss_and_crf_distill(tmp_path: Path) -> No
     assert teacher_text[1] == PROMPT
 
     cursor = trainer.pair_cursor.state_dict()
-    total = trainer.compute_loss(model, batch)
+    total = trainer.compute_loss(trainer.model, batch)
     metrics = trainer._metrics["train"]
-    sdpo, dpo = metrics["sdpo_jsd"][-1], metrics["trace_replay_dpo"][-1]
+    grpo, sdpo, dpo = metrics["grpo"][-1], metrics["sdpo_jsd"][-1], metrics["trace_replay_dpo"][-1]
+    assert sdpo > 0
+    assert dpo > 0
+    # the composition: w_grpo·grpo + (w_sdpo·sdpo + w_dpo·dpo) / GA (grpo is logged before TRL's GA scaling)
+    assert float(total.detach()) == pytest.approx((grpo + 0.3 * sdpo + 0.7 * dpo) / 2, rel=1e-5, abs=1e-7)
 
-    # channel 1 is TRL's own loss, untouched
-    grpo = GRPOTrainer.compute_loss(trainer, model, batch)
-    assert metrics["grpo"][-1] == pytest.approx(float(grpo.detach()) * 2)
-
-    # SDPO == compose_loss's sdpo_jsd with the same teacher logits (EMA copy == initial policy here)
-    with torch.no_grad():
-        teacher_logits = response_logits(
-            trainer.sdpo_teacher.module,
-            batch["sdpo_teacher_prompt_ids"],
-            batch["sdpo_teacher_prompt_mask"],
-            batch["completion_ids"],
-            batch["completion_mask"],
-        )
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    assert bool(batch["prompt_mask"].all()), "equal-length prompts keep positions identical in both paths"
-    reference = compose_loss(
-        model,
-        {
-            "input_ids": ids,
-            "attention_mask": attention,
-            "completion_mask": batch["completion_mask"],
-            "teacher_logits": teacher_logits,
-            "self_distillation_mask": batch["sdpo_mask"],
-        },
-        lm_ce_weight=0.0,
-        dpo_weight=0.0,
-        sdpo_alpha=0.5,
-        sdpo_top_k=8,
-    )
-    assert sdpo == pytest.approx(float(reference.sdpo_jsd.detach()), rel=1e-5, abs=1e-7)
-
-    # trace-replay DPO == compose_loss's trace_replay_dpo on the same two pairs and reference
+    # the DPO loss used the next two pairs of the cursor, against the initial policy as reference
     trainer.pair_cursor.load_state_dict(cursor)
     idx = trainer.pair_cursor.next()
     pb = collate_pairs([trainer._pairs[i] for i in idx], trainer._pad_id())
-    p = pb.input_ids.shape[0] // 2
     ref_c, ref_r = (t[idx] for t in trainer._pair_ref)
-    reference = compose_loss(
-        model,
-        {
-            "input_ids": ids,
-            "dpo_chosen_input_ids": pb.input_ids[:p],
-            "dpo_rejected_input_ids": pb.input_ids[p:],
-            "dpo_chosen_attention_mask": pb.attention_mask[:p],
-            "dpo_rejected_attention_mask": pb.attention_mask[p:],
-            "dpo_chosen_response_mask": pb.response_mask[:p],
-            "dpo_rejected_response_mask": pb.response_mask[p:],
-            "dpo_chosen_ref_logprobs": ref_c,
-            "dpo_rejected_ref_logprobs": ref_r,
-        },
-        lm_ce_weight=0.0,
-        sdpo_weight=0.0,
-    )
-    assert dpo == pytest.approx(float(reference.trace_replay_dpo.detach()), rel=1e-5, abs=1e-7)
-    # the 'initial' reference is the untrained policy's summed log-probs
     with torch.no_grad():
-        c0, r0 = pair_logps(trainer.sdpo_teacher.module, pb)
+        c0, r0 = pair_logps(trainer.sdpo_teacher.module, pb)  # the EMA copy is still the initial policy
     torch.testing.assert_close(ref_c, c0.float())
     torch.testing.assert_close(ref_r, r0.float())
-
-    # the composition: w_grpo·grpo + (w_sdpo·sdpo + w_dpo·dpo) / GA
-    assert float(total.detach()) == pytest.approx(float(grpo.detach()) + (0.3 * sdpo + 0.7 * dpo) / 2, rel=1e-5)
+    with torch.no_grad():
+        c, r = pair_logps(trainer.model, pb)
+    want = -torch.nn.functional.logsigmoid(0.1 * ((c - ref_c.double()) - (r - ref_r.double()))).mean()
+    assert dpo == pytest.approx(float(want), rel=1e-5)
 
 
 def test_simpo_variant_is_reference_free(tmp_path: Path) -> None:
@@ -229,22 +183,10 @@ def test_simpo_variant_is_reference_free(tmp_path: Path) -> None:
     trainer.model.train()
     loss = trainer.trace_replay_channel_loss(trainer.model, indices=[0, 1, 2])
     pb = collate_pairs(trainer._pairs, trainer._pad_id())
-    reference = compose_loss(
-        trainer.model,
-        {
-            "input_ids": pb.input_ids,
-            "dpo_chosen_input_ids": pb.input_ids[:3],
-            "dpo_rejected_input_ids": pb.input_ids[3:],
-            "dpo_chosen_attention_mask": pb.attention_mask[:3],
-            "dpo_rejected_attention_mask": pb.attention_mask[3:],
-            "dpo_chosen_response_mask": pb.response_mask[:3],
-            "dpo_rejected_response_mask": pb.response_mask[3:],
-        },
-        lm_ce_weight=0.0,
-        sdpo_weight=0.0,
-        dpo_variant="simpo",
-    )
-    assert float(loss.detach()) == pytest.approx(float(reference.trace_replay_dpo.detach()), rel=1e-5)
+    c, r = pair_logps(trainer.model, pb)
+    lengths = pb.response_mask[:, 1:].sum(-1).double()
+    margin = 2.0 * (c / lengths[:3] - r / lengths[3:]) - 1.0  # SimPO: β·(avg_w − avg_l) − γ
+    assert float(loss.detach()) == pytest.approx(float(-torch.nn.functional.logsigmoid(margin).mean()), rel=1e-5)
 
 
 def test_precomputed_reference_is_used(tmp_path: Path) -> None:
