@@ -18,6 +18,10 @@ TRL_METHODS: dict[str, tuple[str, ...]] = {
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
     "_compute_loss": ("model", "inputs"),
     "_log_completion_extra": ("column", "values"),
+    # (TRL 1.14 spells it (model, *args, **kwargs); both pass input_ids, attention_mask, logits_to_keep first)
+    "_get_per_token_logps_and_entropies": ("model",),
+    "_save_checkpoint": ("model", "trial"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
 }
 
 #: Keys of ``_generate_and_score_completions``' output the SDPO channel reads.

@@ -230,7 +230,11 @@ class ComposerConfig(GRPOConfig):
     simpo_beta: float = field(default=2.0, metadata={"help": "SimPO β (scale of the average log-prob margin)."})
     simpo_gamma: float = field(default=1.0, metadata={"help": "SimPO target margin γ (absolute, not γ/β)."})
     trace_replay_batch_size: int = field(
-        default=2, metadata={"help": "Pairs per micro-batch for the trace-replay DPO channel (cycled, reshuffled)."}
+        default=2,
+        metadata={
+            "help": "Pairs per micro-batch and rank for the trace-replay DPO channel; ranks take disjoint slices of "
+            "one shared, reshuffled order of all pairs."
+        },
     )
     trace_replay_max_length: int = field(
         default=512,
