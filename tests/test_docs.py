@@ -48,3 +48,17 @@ def test_cited_node_id_exists(doc: str, path: str, name: str) -> None:
     assert module.is_file(), f"{doc} cites {path}, which does not exist"
     bare = name.split("[", 1)[0]
     assert bare in defined_names(module), f"{doc} cites {path}::{name}, but {path} defines no {bare}"
+
+
+def composer_config_fields() -> list[str]:
+    """The fields ``ComposerConfig`` adds to TRL's ``GRPOConfig`` (read from the source: no TRL needed)."""
+    path = ROOT / "packages/crf-core/src/crf_core/trainer/config.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ComposerConfig"]
+    return [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+
+
+@pytest.mark.parametrize("name", composer_config_fields())
+def test_every_composer_config_field_is_documented(name: str) -> None:
+    page = (ROOT / "docs/packages/crf-core-trainer.md").read_text(encoding="utf-8")
+    assert f"| `{name}` |" in page, f"docs/packages/crf-core-trainer.md has no table row for ComposerConfig.{name}"
