@@ -3,16 +3,22 @@
 Same tiny offline model (2-layer Llama, character vocabulary), same data, same reward, same GRPO
 settings, and every rollout forced to the full 16 tokens so both trainers generate the same amount;
 each trainer runs ``--steps`` timed optimizer steps after ``--warmup`` untimed ones (timed by a
-step-end callback inside one run), ``--repeats`` times interleaved, and the best time is kept. Target: ratio ≥ 0.6 (the Composer trainer does the GRPO step plus an
-SDPO student forward/backward, a no-grad teacher forward and a DPO forward/backward on pairs).
+step-end callback inside one run), ``--repeats`` times interleaved, and the best time is kept. Target: ratio ≥ 0.8 (the Composer trainer does the GRPO step, with the SDPO student
+scored in the same pass, plus a no-grad teacher forward on the longer reprompts and a DPO forward/backward on
+pairs).
 
     python benchmarks/trainer_overhead.py            # about a minute on 2 idle CPU cores
+    python benchmarks/trainer_overhead.py --vocab 151936 --steps 4 --repeats 2   # Qwen's vocabulary
+
+With ``--vocab`` the model's vocabulary is that large (ids past the character tokenizer decode to nothing), so
+the LM head dominates and crf runs it chunked while TRL 1.16 runs its own fused head.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import tempfile
 import time
 from typing import Any
@@ -103,11 +109,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=None, help="model vocabulary (default: the tokenizer's)")
     opts = parser.parse_args()
     if opts.warmup < 1 or opts.steps < 1 or opts.repeats < 1:
         parser.error("--warmup, --steps and --repeats must be >= 1")
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, num_heads=4)
+    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, num_heads=4, vocab_size=opts.vocab)
+    print(f"vocabulary {model.config.vocab_size}, load average {os.getloadavg()[0]:.2f}")
     best: dict[str, float] = {}
     for _ in range(opts.repeats):
         for kind in ("grpo", "composer"):  # interleaved so machine load affects both alike
@@ -119,7 +127,8 @@ def main() -> None:
         f"{'ComposerReplicationTrainer (GRPO+SDPO+DPO)':<44} {opts.steps:>5} {best['composer']:>8.2f} {rate['composer']:>8.3f}"
     )
     ratio = rate["composer"] / rate["grpo"]
-    print(f"ratio composer/TRL = {ratio:.2f}x (target >= 0.60x): {'PASS' if ratio >= 0.6 else 'BELOW TARGET'}")
+    print(f"ratio composer/TRL = {ratio:.2f}x (target >= 0.80x): {'PASS' if ratio >= 0.8 else 'BELOW TARGET'}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
