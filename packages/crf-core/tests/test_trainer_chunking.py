@@ -44,18 +44,12 @@ def _model(arch: str, tokenizer: Any) -> Any:
         config = transformers.GPT2Config(vocab_size=v, n_embd=16, n_layer=1, n_head=2, n_positions=256)
         model = transformers.GPT2LMHeadModel(config)
         assert model.lm_head.weight is model.transformer.wte.weight
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(
-            vocab_size=v,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-        model = transformers.Qwen2ForCausalLM(config)
     else:
-        config = transformers.LlamaConfig(
+        config_cls, model_cls = {
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        }[arch]
+        config = config_cls(
             vocab_size=v,
             hidden_size=16,
             intermediate_size=32,
@@ -63,7 +57,7 @@ def _model(arch: str, tokenizer: Any) -> Any:
             num_attention_heads=2,
             num_key_value_heads=2,
         )
-        model = transformers.LlamaForCausalLM(config)
+        model = model_cls(config)
     for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
         setattr(model.generation_config, key, getattr(tokenizer, key))
     return model.double()

@@ -14,7 +14,6 @@ ones ``ComposerReplicationTrainer`` uses); the loss math lives in ``crf_distill`
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from crf_core.channels import (
     logits_source,
     mean_weights,
 )
+from crf_core.channels._validate import check_unit, check_weight
 from crf_distill import TAIDSchedule, taid_linear_t
 
 __all__ = ["DPO_VARIANTS", "SDPO_WRAPPERS", "LossComponents", "compose_loss"]
@@ -80,36 +80,6 @@ class LossComponents:
         if self.taid_t is not None:
             out["taid_t"] = self.taid_t
         return out
-
-
-def _weight(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"`{name}` must be a finite float, got {value!r}")
-    if value < 0:
-        raise ValueError(f"`{name}` must be >= 0 (set it to 0.0 to switch the channel off), got {value}")
-    return float(value)
-
-
-def _unit(name: str, value: float) -> float:
-    v = _weight(name, value)
-    if v > 1:
-        raise ValueError(f"`{name}` is an interpolation coefficient in [0, 1], got {value}")
-    return v
-
-
-def _weight(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"`{name}` must be a finite float, got {value!r}")
-    if value < 0:
-        raise ValueError(f"`{name}` must be >= 0 (set it to 0.0 to switch the channel off), got {value}")
-    return float(value)
-
-
-def _unit(name: str, value: float) -> float:
-    v = _weight(name, value)
-    if v > 1:
-        raise ValueError(f"`{name}` is an interpolation coefficient in [0, 1], got {value}")
-    return v
 
 
 def _taid_t(step: int | None, total: int | None, t_min: float, t_max: float, schedule: TAIDSchedule | None) -> float:
@@ -310,9 +280,9 @@ def compose_loss(
         KeyError: a key a requested channel needs is missing (the message names it).
         ValueError/TypeError: bad shapes, dtypes or keyword combinations (the message names the fix).
     """
-    lm_w = _weight("lm_ce_weight", lm_ce_weight)
-    sdpo_w = _weight("sdpo_weight", sdpo_weight)
-    dpo_w = _weight("dpo_weight", dpo_weight)
+    lm_w = check_weight("lm_ce_weight", lm_ce_weight)
+    sdpo_w = check_weight("sdpo_weight", sdpo_weight)
+    dpo_w = check_weight("dpo_weight", dpo_weight)
     if dpo_variant not in DPO_VARIANTS:
         raise ValueError(f"`dpo_variant` must be one of {DPO_VARIANTS}, got {dpo_variant!r}")
     if sdpo_wrapper not in SDPO_WRAPPERS:
@@ -323,8 +293,8 @@ def compose_loss(
             f"TAID schedule is half-configured: `{missing}` is missing. Pass both taid_schedule_step and "
             "taid_total_steps (t = alpha_min + (alpha_max - alpha_min) * step / total), or neither."
         )
-    t_min = _unit("taid_alpha_min", taid_alpha_min)
-    t_max = _unit("taid_alpha_max", taid_alpha_max)
+    t_min = check_unit("taid_alpha_min", taid_alpha_min)
+    t_max = check_unit("taid_alpha_max", taid_alpha_max)
     if t_min > t_max:
         raise ValueError(f"`taid_alpha_min` ({t_min}) must not exceed `taid_alpha_max` ({t_max})")
     if sdpo_wrapper != "taid" and (taid_schedule_step is not None or taid_schedule is not None):
@@ -336,7 +306,7 @@ def compose_loss(
         )
     sdpo_channel = SDPOChannel(
         SDPOConfig(
-            alpha=_unit("sdpo_alpha", sdpo_alpha),
+            alpha=check_unit("sdpo_alpha", sdpo_alpha),
             top_k=sdpo_top_k,
             is_clip=sdpo_is_clip,
             wrapper=sdpo_wrapper,

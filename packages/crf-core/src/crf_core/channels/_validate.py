@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_choice", "check_number", "check_optional_int", "check_unit"]
+__all__ = ["check_choice", "check_number", "check_optional_int", "check_unit", "check_weight"]
 
 
 def check_number(
@@ -26,6 +26,13 @@ def check_number(
     if not ok_low or value > high:
         lb = "[" if low_inclusive else "("
         raise ValueError(f"{name} must lie in {lb}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def check_weight(name: str, value: Any) -> float:
+    """A channel weight: a finite number >= 0 (0 switches the channel off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (0 switches the channel off), got {value!r}")
     return float(value)
 
 

@@ -11,12 +11,12 @@ The config builds the frozen channel configs of ``crf_core.channels`` (:meth:`Co
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 from crf_core.channels import ChunkPlan, PreferenceConfig, SDPOConfig
+from crf_core.channels._validate import check_weight
 from crf_core.trainer.reprompt import (
     DEFAULT_FEEDBACK_TEMPLATE,
     DEFAULT_REPROMPT_TEMPLATE,
@@ -29,11 +29,6 @@ __all__ = ["TRACE_REPLAY_REFERENCES", "ComposerConfig"]
 
 #: Where the trace-replay DPO channel gets reference log-probs from (see ``trace_replay_reference``).
 TRACE_REPLAY_REFERENCES: tuple[str, ...] = ("auto", "precomputed", "initial", "ref_model", "adapter", "none")
-
-
-def _weight(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number ≥ 0 (0 turns the channel off), got {value!r}")
 
 
 @dataclass
@@ -256,7 +251,7 @@ class ComposerConfig(GRPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("grpo_weight", "sdpo_weight", "trace_replay_dpo_weight"):
-            _weight(name, getattr(self, name))
+            check_weight(name, getattr(self, name))
         if self.grpo_weight == self.sdpo_weight == self.trace_replay_dpo_weight == 0:
             raise ValueError("every channel weight is 0, so nothing would be trained; set at least one weight > 0")
         if self.sdpo_teacher not in ("ema", "live"):
