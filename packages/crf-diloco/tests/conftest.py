@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import uuid
@@ -44,6 +45,18 @@ def _run_replicas(fn: ReplicaFn, world_size: int, timeout: float = 60.0) -> list
 def run_replicas() -> Callable[..., list[Any]]:
     """``run_replicas(fn, world_size, timeout=60)``: one thread per rank, results in rank order."""
     return _run_replicas
+
+
+def read_record(ar: Any, key: str) -> dict[str, Any]:
+    """The body of the sealed JSON record at ``key`` (authenticated with ``ar``'s secret)."""
+    body = ar.auth.open_record(key, ar.store.get(key))
+    return dict(json.loads(body))
+
+
+@pytest.fixture(name="read_record")
+def read_record_fixture() -> Callable[[Any, str], dict[str, Any]]:
+    """``read_record(ar, key)``: the body of a sealed record in ``ar``'s store."""
+    return read_record
 
 
 @pytest.fixture

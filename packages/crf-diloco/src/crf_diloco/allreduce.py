@@ -657,7 +657,7 @@ class ObjectStoreAllReduce:
         deadline = start + self.timeout
         mine = self.rank in participants
         if mine and quorum.incarnations[self.rank] != self.incarnation:
-            if self.store.exists(keys.data(self.rank)):
+            if not self.store.exists(keys.data(self.rank)):
                 raise _Abort(f"round {keys.round_id} lists rank {self.rank} from an incarnation that is gone")
             mine = False
         pending: Pending = []

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import fsspec
@@ -49,7 +49,40 @@ ADAPTER_PACKAGES: dict[str, str] = {
     "adl": "adlfs",
     "hf": "huggingface_hub",
 }
-_MEMORY_CREATE_LOCK = threading.Lock()
+
+
+class _ClaimedPaths:
+    """Create-only for ``memory://``: one writer at a time per path (others wait for it, then see the object).
+
+    ``MemoryFileSystem.pipe_file(mode="create")`` checks that the path is free and then creates it, so two threads
+    can both win. A claim makes check-and-create exclusive per path without serialising writes of other paths.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: dict[str, threading.Event] = {}
+
+    @contextlib.contextmanager
+    def claim(self, fs: MemoryFileSystem, path: str) -> Iterator[None]:
+        """Hold ``path`` for one create; raise ``FileExistsError`` if it exists (after any writer in flight)."""
+        while True:
+            with self._lock:
+                busy = self._busy.get(path)
+                if busy is None:
+                    if fs.exists(path):
+                        raise FileExistsError(path)
+                    done = self._busy[path] = threading.Event()
+                    break
+            busy.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._busy[path]
+            done.set()
+
+
+_MEMORY_CREATES = _ClaimedPaths()
 _NOT_TRANSIENT = (FileNotFoundError, FileExistsError)
 
 
@@ -186,7 +219,7 @@ class ObjectStore:
             else:
                 joined = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
                 if isinstance(fs, MemoryFileSystem):  # its "xb" open checks, then creates: not atomic on its own
-                    with _MEMORY_CREATE_LOCK:
+                    with _MEMORY_CREATES.claim(fs, path):
                         self._call(f"create {key}", lambda: fs.pipe_file(path, joined, mode="create"))
                 else:
                     self._call(f"create {key}", lambda: fs.pipe_file(path, joined, mode="create"))
