@@ -16,6 +16,7 @@ warning says once per process that the store must be trusted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -23,11 +24,12 @@ import os
 import secrets
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from crf_diloco.errors import CorruptObjectError
+from crf_diloco.replica_env import ENV_SECRET
 
-__all__ = ["MIN_SECRET_CHARS", "Authenticator", "new_secret", "validate_secret"]
+__all__ = ["MIN_SECRET_CHARS", "Authenticator", "default_tag_alg", "launch_secret", "new_secret", "validate_secret"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,21 +61,28 @@ def validate_secret(secret: str | bytes) -> bytes:
     return secret
 
 
+def launch_secret(env: Mapping[str, str] | None = None) -> str:
+    """The secret a launch hands its replicas: ``env``'s ``CRF_DILOCO_SECRET``, else this process's (set it to
+    relaunch replicas into an existing run), else a fresh `new_secret`. Validated; never logged."""
+    secret = (env or {}).get(ENV_SECRET) or os.environ.get(ENV_SECRET) or new_secret()
+    validate_secret(secret)
+    return secret
+
+
 def _field(value: bytes) -> bytes:
     return struct.pack("<Q", len(value)) + value
 
 
-def _poly1305_available() -> bool:
+@functools.cache
+def default_tag_alg() -> str:
+    """``"poly1305"``, or ``"hmac-sha256"`` where the ``cryptography`` build lacks Poly1305 (slower, as secure)."""
     try:
         from cryptography.hazmat.primitives.poly1305 import Poly1305
 
         Poly1305(bytes(32))
-    except Exception:  # no wheel, or an OpenSSL build without Poly1305: fall back to HMAC-SHA256 tags
-        return False
-    return True
-
-
-TAG_ALG = "poly1305" if _poly1305_available() else "hmac-sha256"
+    except Exception:
+        return "hmac-sha256"
+    return "poly1305"
 
 
 class Authenticator:
@@ -129,12 +138,16 @@ class Authenticator:
         """A fresh random nonce (hex) for one written tensor object."""
         return os.urandom(16).hex()
 
-    def tag(self, key: str, nonce: str, index: int, buffers: Iterable[bytes | memoryview], alg: str = TAG_ALG) -> str:
-        """Content tag (hex) of ``buffers`` (in order) for item ``index`` of the object at ``key``."""
+    def tag(self, key: str, nonce: str, index: int, buffers: Iterable[bytes | memoryview], alg: str = "") -> str:
+        """Content tag (hex) of ``buffers`` (in order) for item ``index`` of the object at ``key`` (``alg``:
+        `default_tag_alg` unless given)."""
+        alg = alg or default_tag_alg()
         one_time = self._hmac(b"tag", key, (_field(nonce.encode()), struct.pack("<Q", index))).digest()
         if alg == "poly1305":
-            from cryptography.hazmat.primitives.poly1305 import Poly1305
-
+            try:
+                from cryptography.hazmat.primitives.poly1305 import Poly1305
+            except ImportError:
+                raise CorruptObjectError(f"{key}: tagged with Poly1305, which this `cryptography` lacks") from None
             p = Poly1305(one_time)
             for buf in buffers:
                 p.update(buf)

@@ -5,7 +5,9 @@
                       script.py [args...]
 
 Each replica runs ``python script.py args...`` with ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE``,
-``CRF_DILOCO_URI`` and ``CRF_DILOCO_RUN_ID`` set (the script calls `ObjectStoreAllReduce.from_env`). Replica
+``CRF_DILOCO_URI``, ``CRF_DILOCO_RUN_ID`` and ``CRF_DILOCO_SECRET`` set (the script calls
+`ObjectStoreAllReduce.from_env`). The secret authenticates every store object; it is made fresh per launch (never
+printed) unless ``--env CRF_DILOCO_SECRET=...`` or the launcher's environment gives one (to relaunch into a run). Replica
 output is streamed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr); a summary follows on stderr.
 Exit status: 0 when every replica exited 0, 1 when any failed or timed out, 2 on bad arguments, 130/143 when
 interrupted by SIGINT/SIGTERM (the replicas are stopped first).
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = commands.add_parser(
         "launch",
         help="start N replicas of a training script wired to one object store",
-        description="Start N replicas of SCRIPT; each gets CRF_DILOCO_RANK/WORLD_SIZE/URI/RUN_ID in its environment.",
+        description="Start N replicas of SCRIPT; each gets CRF_DILOCO_RANK/WORLD_SIZE/URI/RUN_ID/SECRET in its environment.",
     )
     launch.add_argument("--replicas", type=_positive_int, required=True, metavar="N", help="number of replicas")
     launch.add_argument("--uri", required=True, help="object-store URI or local folder shared by the replicas")

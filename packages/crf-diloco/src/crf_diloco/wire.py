@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from crf_diloco.auth import MAC_HEX, TAG_ALG, Authenticator
+from crf_diloco.auth import MAC_HEX, Authenticator, default_tag_alg
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.strictjson import parse_json_object
 
@@ -223,7 +223,7 @@ def encode_object(
             auth.tag(key, nonce, i, [buf[a * rb : b * rb] for buf, rb in zip(buffers, row_bytes, strict=True)])
             for i, (a, b) in enumerate(items)
         ]
-    metadata = {"mac": "0" * MAC_HEX, "crf_diloco": WIRE_VERSION, "kind": kind, "nonce": nonce, "tag_alg": TAG_ALG,
+    metadata = {"mac": "0" * MAC_HEX, "crf_diloco": WIRE_VERSION, "kind": kind, "nonce": nonce, "tag_alg": default_tag_alg(),
                 "tags": json.dumps(tags), **meta}  # fmt: skip
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
