@@ -315,12 +315,11 @@ class ObjectStoreAllReduce:
             return tensors
         self._join()
         flat = flatten(tensor_list, self._scratch)
-        bad = count_nonfinite(flat) if participate else 0
-        if bad:
+        veto = self._veto_for(flat) if participate else None
+        if veto is not None:
             round_id = self.round_id
-            why = f"rank {self.rank}'s contribution has {bad} NaN/inf value(s)"
-            self.abort(why)
-            raise RoundAbortedError(f"round {round_id} aborted: {why} (this replica vetoed it)")
+            self.abort(veto)
+            raise RoundAbortedError(f"round {round_id} aborted: {veto} (this replica vetoed it)")
         spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision)
         round_id = self.round_id
         try:
@@ -329,6 +328,11 @@ class ObjectStoreAllReduce:
             self.round_id = round_id + 1
         write_back(tensor_list, result)
         return tensors
+
+    def _veto_for(self, flat: torch.Tensor) -> str | None:
+        """Why this replica must veto its contribution (NaN/inf in it), or ``None``."""
+        bad = count_nonfinite(flat)
+        return f"rank {self.rank}'s contribution has {bad} NaN/inf value(s)" if bad else None
 
     def abort(self, reason: str, *, participate: bool = True) -> None:
         """Veto the next round (a false vote cast before its data phase) and skip it; never raises
@@ -936,8 +940,10 @@ class ObjectStoreAllReduce:
             for r in (parse_rank(n[: -len(".json")], self.world_size) for n in names if n.endswith(".json"))
             if r is not None
         }
-        rejected = set(quorum.rejected) if quorum else set()
-        self._expected = ((set(participants) | announced) - rejected) or None
+        if quorum is not None:  # the next round expects this one's participants and announcers
+            self._expected = ((set(participants) | announced) - set(quorum.rejected)) or None
+        elif self._expected is not None:  # aborted before its quorum: who was expected still is
+            self._expected |= announced
         if participants and self.rank == min(participants) and keys.round_id >= self.keep_rounds:
             self._submit(self.store.remove_tree, RoundKeys(keys.round_id - self.keep_rounds).prefix)
 
