@@ -68,7 +68,7 @@ from crf_diloco.records import (
     PayloadSpec,
     QuorumRecord,
     VoteRecord,
-    parse_rank,
+    ranks_named,
 )
 from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_SECRET, ENV_URI, ENV_WORLD_SIZE
 from crf_diloco.store import ObjectStore
@@ -600,9 +600,8 @@ class ObjectStoreAllReduce:
             self._check_decided(keys)
             if stale_self:
                 raise _Abort(f"round {keys.round_id} holds a member record of another incarnation of rank {self.rank}")
-            for entry in self.store.list_names(keys.members_dir):
-                rank = parse_rank(entry[: -len(".json")], self.world_size) if entry.endswith(".json") else None
-                if rank is not None and rank not in members:
+            for rank in ranks_named(self.store.list_names(keys.members_dir), self.world_size):
+                if rank not in members:
                     record = self._read_member(keys, rank)
                     if record is not None:
                         members[rank] = record
@@ -896,8 +895,7 @@ class ObjectStoreAllReduce:
             decision = self.read_decision(keys.round_id)
             if decision is not None:
                 return decision
-            for entry in self.store.list_names(keys.votes_dir):
-                rank = parse_rank(entry[: -len(".json")], self.world_size) if entry.endswith(".json") else None
+            for rank in ranks_named(self.store.list_names(keys.votes_dir), self.world_size):
                 if rank in participants and rank not in votes:
                     key = keys.vote(rank)
                     record = self._read_record(key, lambda o, k: VoteRecord.parse(o, k, self.world_size))
@@ -935,11 +933,7 @@ class ObjectStoreAllReduce:
             names = self.store.list_names(keys.members_dir)
         except AllReduceError:
             names = []
-        announced = {
-            r
-            for r in (parse_rank(n[: -len(".json")], self.world_size) for n in names if n.endswith(".json"))
-            if r is not None
-        }
+        announced = set(ranks_named(names, self.world_size))
         if quorum is not None:  # the next round expects this one's participants and announcers
             self._expected = ((set(participants) | announced) - set(quorum.rejected)) or None
         elif self._expected is not None:  # aborted before its quorum: who was expected still is

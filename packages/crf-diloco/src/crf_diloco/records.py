@@ -23,6 +23,7 @@ __all__ = [
     "QuorumRecord",
     "VoteRecord",
     "parse_rank",
+    "ranks_named",
 ]
 
 MAX_NUMEL = 1 << 40
@@ -37,6 +38,12 @@ def parse_rank(text: str, world_size: int) -> int | None:
         return None
     rank = int(text)
     return rank if rank < world_size else None
+
+
+def ranks_named(entries: list[str], world_size: int) -> list[int]:
+    """The ranks of the ``{rank}.json`` entries of a listing (``members/``, ``votes/``); other names are ignored."""
+    ranks = (parse_rank(e[: -len(".json")], world_size) for e in entries if e.endswith(".json"))
+    return sorted(r for r in ranks if r is not None)
 
 
 class _Reader:
