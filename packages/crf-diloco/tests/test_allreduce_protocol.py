@@ -174,7 +174,7 @@ def test_wire_objects_are_safetensors_not_pickle(tmp_path: Any, run_replicas: Ru
 def test_bytes_per_replica_independent_of_world_size(
     world_size: int, memory_uri: str, run_replicas: RunReplicas
 ) -> None:
-    n = 1 << 18  # 1 MiB of fp32: headers are negligible
+    n = 1 << 20  # 4 MiB of fp32: headers and records are negligible
 
     def replica(rank: int) -> tuple[int, int]:
         ar = ObjectStoreAllReduce(memory_uri, rank, world_size, timeout=60)
@@ -184,7 +184,7 @@ def test_bytes_per_replica_independent_of_world_size(
     size = 4 * n
     for read, written in run_replicas(replica, world_size):
         total = (read + written) / size
-        assert total <= 3.2, total
+        assert total <= 2.9, total  # 1 + 1/m + 2(m-1)/m = 2.875 at m = 8
         # up S + S/m, down 2(m-1)/m S (+ headers)
         assert written / size == pytest.approx(1 + 1 / world_size, abs=0.02)
         assert read / size == pytest.approx(2 * (world_size - 1) / world_size, abs=0.1)
