@@ -58,15 +58,27 @@ def _parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * mult)
 
 
+_OWN_FILES: list[str] = []
+
+
+def _drop_own_files() -> None:
+    """Delete this replica's files of earlier file-based collectives (every replica is past them: the Gloo
+    barrier before each collective), so the folder in memory does not fill up."""
+    while _OWN_FILES:
+        os.unlink(_OWN_FILES.pop())
+
+
 def _naive_allgather(t: Any, folder: str, rank: int, world_size: int, tag: str) -> None:
     """Each replica writes its whole tensor; each reads every other one and averages (N x download)."""
     import numpy as np
     import torch
 
+    _drop_own_files()
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{tag}-{rank}.tmp")
     t.numpy().tofile(tmp)
     os.replace(tmp, os.path.join(folder, f"{tag}-{rank}.bin"))
+    _OWN_FILES.append(os.path.join(folder, f"{tag}-{rank}.bin"))
     acc = t.clone()
     for r in range(world_size):
         if r == rank:
@@ -109,8 +121,10 @@ def _floor_local(t: Any, folder: str, rank: int, world_size: int, tag: str) -> N
     if n not in _FLOOR_BUFFERS:
         _FLOOR_BUFFERS[n] = (torch.empty(n), torch.empty(hi - lo))
     result, scratch = _FLOOR_BUFFERS[n]
+    _drop_own_files()
     os.makedirs(folder, exist_ok=True)
     _write_file(os.path.join(folder, f"{tag}-data-{rank}"), memoryview(t.numpy()).cast("B"))
+    _OWN_FILES.extend(os.path.join(folder, f"{tag}-{kind}-{rank}") for kind in ("data", "reduced"))
     acc = result[lo:hi]
     for r in range(world_size):
         if r == rank:
