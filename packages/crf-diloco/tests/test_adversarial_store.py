@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from crf_diloco import AllReduceError, MockManager, ObjectStoreAllReduce, RoundAbortedError
+from crf_diloco import AllReduceError, CorruptObjectError, MockManager, ObjectStoreAllReduce, RoundAbortedError
 from crf_diloco.auth import Authenticator
 from crf_diloco.checkpoint import dumps_state
 from crf_diloco.layout import RoundKeys, state_key
@@ -84,6 +84,8 @@ def _play(
                 reason = ar.last_round.reason
         except AllReduceError as exc:
             outcome, reason = "abort", str(exc)
+            if isinstance(exc.__cause__, CorruptObjectError):  # the malformed object this replica found itself
+                reason += f" [cause: {exc.__cause__}]"
             assert torch.equal(t.view(torch.int32), before.view(torch.int32)), (
                 "a failed round leaves the inputs unchanged"
             )
@@ -198,7 +200,7 @@ def test_forged_payload_is_never_adopted(
 ) -> None:
     _attacker(memory_uri).put_create(KEYS.data(1), blob())
     endings = _play(memory_uri, run_replicas)
-    _aborted(endings, KEYS.data(1), "failed authentication")
+    _aborted(endings, KEYS.data(1), "failed authentication", "[cause: r00000000/data/1.safetensors: failed")
     assert all(float(e.tensor.abs().max()) < 1e5 for e in endings), "forged values reached a tensor"
 
 

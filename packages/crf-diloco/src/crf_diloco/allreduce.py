@@ -571,7 +571,10 @@ class ObjectStoreAllReduce:
                 assert quorum is not None
                 return self._follow_commit(keys, quorum, spec, decision)
             self._finish(keys, quorum, "abort", decision.reason)
-            raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}") from None
+            corrupt = exc if isinstance(exc, CorruptObjectError) else exc.__cause__
+            raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}") from (
+                corrupt if isinstance(corrupt, CorruptObjectError) else None
+            )
 
     def _announce(self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
         """Create this replica's member record. Returns True if a record of another incarnation of this rank is
