@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from fsspec import AbstractFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
 
@@ -48,6 +49,18 @@ def run_replicas() -> Callable[..., list[Any]]:
     return _run_replicas
 
 
+def read_record(ar: Any, key: str) -> dict[str, Any]:
+    """The body of the sealed JSON record at ``key`` (authenticated with ``ar``'s secret)."""
+    body = ar.auth.open_record(key, ar.store.get(key))
+    return dict(json.loads(body))
+
+
+@pytest.fixture(name="read_record")
+def read_record_fixture() -> Callable[[Any, str], dict[str, Any]]:
+    """``read_record(ar, key)``: the body of a sealed record in ``ar``'s store."""
+    return read_record
+
+
 @pytest.fixture
 def memory_uri() -> Iterator[str]:
     """A fresh ``memory://`` prefix, removed afterwards."""
@@ -81,7 +94,8 @@ class FaultyMemoryFileSystem(MemoryFileSystem):
 
     ``rules`` is a list of ``(op, predicate(path) -> bool, action)``; ``op`` in ``{"read", "write"}``;
     ``action`` is ``"oserror"`` (raise a transient ``OSError``), ``"flip"`` (flip a byte of the
-    bytes read) or a callable run before the operation. Each rule fires ``count`` times.
+    bytes read), ``"truncate"`` (return the first half of the bytes read) or a callable run before the
+    operation. Each rule fires ``count`` times.
     """
 
     protocol = "crffaulty"
@@ -113,6 +127,8 @@ class FaultyMemoryFileSystem(MemoryFileSystem):
         if action == "oserror":
             raise OSError(5, "injected transient read error", path)
         data = super().cat_file(path, start=start, end=end, **kwargs)
+        if action == "truncate":
+            return bytes(data[: len(data) // 2])
         if action == "flip" and data:
             data = bytearray(data)
             data[len(data) // 2] ^= 0xFF
@@ -146,6 +162,48 @@ def add_rule(op: str, match: Callable[[str], bool], action: Any, count: int = 1)
 def fault_rule() -> Callable[..., dict[str, Any]]:
     """``fault_rule(op, match, action, count=1)``: register a fault on the ``crffaulty://`` store."""
     return add_rule
+
+
+class OverwritingFileSystem(AbstractFileSystem):
+    """A store that ignores create-only: ``pipe_file(mode="create")`` overwrites (backed by a dict)."""
+
+    protocol = "crfoverwrite"
+    objects: ClassVar[dict[str, bytes]] = {}
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        return str(path).removeprefix("crfoverwrite://").strip("/")
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        self.objects[self._strip_protocol(path)] = bytes(value)
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        key = self._strip_protocol(path)
+        if key not in self.objects:
+            raise FileNotFoundError(path)
+        return self.objects[key][start:end]
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        key = self._strip_protocol(path)
+        return key in self.objects or any(k.startswith(key + "/") for k in self.objects)
+
+    def ls(self, path: str, detail: bool = False, **kwargs: Any) -> list[Any]:
+        prefix = self._strip_protocol(path) + "/"
+        return sorted({prefix + k[len(prefix) :].split("/")[0] for k in self.objects if k.startswith(prefix)})
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        key = self._strip_protocol(path)
+        for k in [k for k in self.objects if k == key or k.startswith(key + "/")]:
+            del self.objects[k]
+
+
+@pytest.fixture
+def overwriting_store() -> Iterator[type[OverwritingFileSystem]]:
+    """The ``crfoverwrite://`` filesystem class (a store whose "create-only" writes overwrite); cleared afterwards."""
+    register_implementation("crfoverwrite", OverwritingFileSystem, clobber=True)
+    OverwritingFileSystem.objects.clear()
+    yield OverwritingFileSystem
+    OverwritingFileSystem.objects.clear()
 
 
 # -- moto S3 server ------------------------------------------------------------------------------

@@ -12,10 +12,13 @@ from torch import nn
 from torchft.local_sgd import DiLoCo
 
 from crf_diloco import AllReduceError, MockManager, ObjectStoreAllReduce
+from crf_diloco.auth import Authenticator
+from crf_diloco.layout import RoundKeys
 from crf_diloco.store import ObjectStore
 
 pytestmark = pytest.mark.integration
 RunReplicas = Callable[..., list[Any]]
+SECRET = "s3-run-secret-" * 4
 
 
 def _uri(moto_s3: dict[str, Any]) -> str:
@@ -45,6 +48,7 @@ def test_s3_allreduce_end_to_end(compression: str | None, moto_s3: dict[str, Any
             timeout=30,
             storage_options=moto_s3["storage_options"],
             compression=compression,  # type: ignore[arg-type]
+            secret=SECRET,
         )
         out = []
         for round_id in range(2):
@@ -98,3 +102,29 @@ def test_s3_preflight(moto_s3: dict[str, Any]) -> None:
         ObjectStoreAllReduce(
             "s3://no-such-bucket-crf/x", 0, 2, storage_options=moto_s3["storage_options"], retries=0, preflight=True
         )
+
+
+def test_s3_forged_object_aborts_then_the_run_goes_on(moto_s3: dict[str, Any], run_replicas: RunReplicas) -> None:
+    """An attacker with write access to the bucket plants a payload (a plain PUT) before rank 1 writes its own: every
+    replica aborts round 0 with its tensor unchanged, and round 1 commits."""
+    uri = _uri(moto_s3)
+    forged = Authenticator("not-the-secret-" * 4, "default").seal_record("x", b"{}")
+    ObjectStore(f"{uri}/default", moto_s3["storage_options"]).put_create(RoundKeys(0).data(1), forged)
+
+    def replica(rank: int) -> tuple[str, bool]:
+        ar = ObjectStoreAllReduce(
+            uri, rank, 2, timeout=20, storage_options=moto_s3["storage_options"], secret=SECRET, poll_interval=0.02
+        )
+        t = torch.full((64,), float(rank))
+        try:
+            ar.allreduce(t)
+            first = "commit"
+        except AllReduceError as exc:
+            first = str(exc)
+        unchanged = torch.equal(t, torch.full((64,), float(rank)))
+        ar.allreduce(t)
+        return first, unchanged and torch.equal(ar.allreduce(torch.full((64,), float(rank))), torch.full((64,), 0.5))
+
+    for first, ok in run_replicas(replica, 2, timeout=120):
+        assert "r00000000/data/1.safetensors" in first
+        assert ok

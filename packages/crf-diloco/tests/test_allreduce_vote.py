@@ -6,7 +6,6 @@ one decision object of the round.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -15,23 +14,27 @@ from typing import Any
 import pytest
 import torch
 
-from crf_diloco import ObjectStoreAllReduce, RoundAbortedError
+from crf_diloco import ObjectStoreAllReduce, PayloadMismatchError, RoundAbortedError
 from crf_diloco.layout import RoundKeys
+from crf_diloco.records import DecisionRecord
 
 RunReplicas = Callable[..., list[Any]]
+ReadRecord = Callable[[ObjectStoreAllReduce, str], dict[str, Any]]
 
 
 def _x(rank: int, n: int = 40) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(101 + rank))
 
 
-def _decision(ar: ObjectStoreAllReduce, round_id: int) -> dict[str, Any]:
-    return dict(json.loads(ar.store.get(RoundKeys(round_id).decision)))
+def _decision(ar: ObjectStoreAllReduce, round_id: int) -> DecisionRecord:
+    decision = ar.read_decision(round_id)
+    assert decision is not None
+    return decision
 
 
 @pytest.mark.parametrize("votes", [(True, True), (True, False), (False, False)], ids=["all-yes", "one-no", "all-no"])
 def test_vote_decides_once_and_every_participant_follows(
-    votes: tuple[bool, bool], memory_uri: str, run_replicas: RunReplicas
+    votes: tuple[bool, bool], memory_uri: str, run_replicas: RunReplicas, read_record: ReadRecord
 ) -> None:
     barrier = threading.Barrier(2)
 
@@ -58,11 +61,11 @@ def test_vote_decides_once_and_every_participant_follows(
         assert round_ids == [1]
     ar = ObjectStoreAllReduce(memory_uri, 0, 2)
     decision = _decision(ar, 0)
-    assert decision["outcome"] == ("commit" if expected else "abort")
+    assert decision.outcome == ("commit" if expected else "abort")
     if not expected:
-        assert "says no" in decision["reason"]
+        assert "says no" in decision.reason
     for rank in range(2):
-        vote = json.loads(ar.store.get(RoundKeys(0).vote(rank)))
+        vote = read_record(ar, RoundKeys(0).vote(rank))
         assert vote["ok"] is votes[rank]  # every participant's own vote is on record
 
 
@@ -80,7 +83,7 @@ def test_missing_vote_aborts_at_the_deadline_and_the_late_voter_follows(memory_u
     start = time.monotonic()
     assert ars[0].vote(True) is False  # rank 1 never voted in time
     assert 0.5 <= time.monotonic() - start < 10
-    assert "votes of ranks [1]" in _decision(ars[0], 0)["reason"]
+    assert "votes of ranks [1]" in _decision(ars[0], 0).reason
     assert ars[1].vote(True) is False  # its yes comes too late: it follows the decision
     assert ars[1].last_round is not None
     assert ars[1].last_round.outcome == "abort"
@@ -115,13 +118,22 @@ def test_vote_without_open_rounds_does_no_io(memory_uri: str) -> None:
 
 
 def test_deferring_and_plain_replicas_disagree_loudly(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """Rank 1 runs a plain round where rank 0 defers: rank 1 (the tie goes to the lowest rank's payload) fails
+    loudly with PayloadMismatchError; rank 0 runs the round alone and keeps it open for its vote."""
+
     def replica(rank: int) -> str:
         ar = ObjectStoreAllReduce(memory_uri, rank, 2, timeout=20)
-        with pytest.raises(RoundAbortedError, match=r"disagree|differs") as info:
-            ar.allreduce(_x(rank), defer_decision=rank == 0)
+        if rank == 0:
+            ar.allreduce(_x(rank), defer_decision=True)
+            assert ar.open_rounds == [0]
+            return "open"
+        with pytest.raises(PayloadMismatchError, match="vote") as info:
+            ar.allreduce(_x(rank), defer_decision=False)
         return str(info.value)
 
-    assert all("'vote'" in message for message in run_replicas(replica, 2))
+    opened, message = run_replicas(replica, 2)
+    assert opened == "open"
+    assert "40 elements (fp32, avg, vote)" in message
 
 
 def test_veto_waits_for_a_peer_that_has_not_joined_yet(memory_uri: str) -> None:
@@ -147,7 +159,7 @@ def test_veto_waits_for_a_peer_that_has_not_joined_yet(memory_uri: str) -> None:
     assert ar0.last_round is not None
     assert ar0.last_round.round_id == 0
     assert ar0.round_id == ar1.round_id == 1
-    assert _decision(ar0, 0)["outcome"] == "abort"
+    assert _decision(ar0, 0).outcome == "abort"
     # and the two go on together
     threads = [
         threading.Thread(target=ar.allreduce, args=(_x(r),), kwargs={"defer_decision": True})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,37 @@ def test_cli_launch_streams_rank_prefixed_logs_and_exits_zero(tmp_path: Path) ->
         assert rank_lines(proc.stderr, rank) == [f"stderr line of rank {rank}"]  # stderr stays on stderr
     assert "crf-diloco: run cli-run: 2 of 2 replicas succeeded" in proc.stderr
     assert "rank 0: ok after" in proc.stderr
+
+
+def test_cli_hands_every_replica_the_same_fresh_secret(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CRF_DILOCO_SECRET"}
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = ["--replicas", "2", "--uri", "store", *extra, BEHAVE, "--show-env", "CRF_DILOCO_SECRET"]
+        return subprocess.run(
+            [sys.executable, "-m", "crf_diloco", "launch", *args],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+
+    seen = []
+    for _ in range(2):
+        proc = run()
+        assert proc.returncode == 0, proc.stderr
+        secrets = {json.loads(rank_lines(proc.stdout, r)[0])["env"]["CRF_DILOCO_SECRET"] for r in (0, 1)}
+        assert len(secrets) == 1, "every replica of a launch gets the same secret"
+        (secret,) = secrets
+        assert re.fullmatch(r"[0-9a-f]{64}", secret)
+        launcher_lines = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("[rank ")]
+        assert not any(secret in line for line in launcher_lines), "the launcher never prints the secret"
+        seen.append(secret)
+    assert seen[0] != seen[1], "a fresh secret per launch"
+    given = "g" * 40
+    proc = run("--env", f"CRF_DILOCO_SECRET={given}")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(rank_lines(proc.stdout, 1)[0])["env"]["CRF_DILOCO_SECRET"] == given
+    weak = run("--env", "CRF_DILOCO_SECRET=weak")
+    assert weak.returncode == 2
+    assert "at least 32" in weak.stderr
 
 
 def test_cli_exits_nonzero_and_summarises_failed_replicas(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

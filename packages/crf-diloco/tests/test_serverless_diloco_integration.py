@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 import re
 import threading
 from collections.abc import Callable
@@ -312,8 +311,9 @@ def test_error_reported_after_the_allreduce_completed_vetoes_every_replica(
                 nn.functional.mse_loss(model(x), y).backward()
                 inner.step()
         backend = manager.allreduce_backend
-        last = json.loads(backend.store.get(RoundKeys(backend.round_id - 1).decision))
-        outcomes = [last["outcome"] == "commit", backend.latest_committed_round() is not None]
+        last = backend.read_decision(backend.round_id - 1)
+        assert last is not None
+        outcomes = [last.committed, backend.latest_committed_round() is not None]
         return manager.current_step(), before, _params(model), outcomes
 
     results = run_replicas(replica, 2)
@@ -323,7 +323,9 @@ def test_error_reported_after_the_allreduce_completed_vetoes_every_replica(
         assert not any(outcomes), "the store holds no committed round of the vetoed sync"
 
 
-def test_should_commit_is_a_store_wide_vote(memory_uri: str, run_replicas: RunReplicas) -> None:
+def test_should_commit_is_a_store_wide_vote(
+    memory_uri: str, run_replicas: RunReplicas, read_record: Callable[[ObjectStoreAllReduce, str], dict[str, Any]]
+) -> None:
     """torchft's call order without DiLoCo: allreduce, wait, then an error, then should_commit."""
     barrier = threading.Barrier(2, timeout=30)
 
@@ -342,11 +344,12 @@ def test_should_commit_is_a_store_wide_vote(memory_uri: str, run_replicas: RunRe
         return answers
 
     assert run_replicas(replica, 2) == [[True, False, True]] * 2
-    store = ObjectStoreAllReduce(memory_uri, 0, 2).store
-    decision = json.loads(store.get(RoundKeys(1).decision))
-    assert decision["outcome"] == "abort"
-    assert "injected after the allreduce" in decision["reason"]
-    assert [json.loads(store.get(RoundKeys(1).vote(r)))["ok"] for r in range(2)] == [False, True]
+    ar = ObjectStoreAllReduce(memory_uri, 0, 2)
+    decision = ar.read_decision(1)
+    assert decision is not None
+    assert decision.outcome == "abort"
+    assert "injected after the allreduce" in decision.reason
+    assert [read_record(ar, RoundKeys(1).vote(r))["ok"] for r in range(2)] == [False, True]
 
 
 def test_too_few_participants_abort_in_the_store(memory_uri: str) -> None:
@@ -357,9 +360,10 @@ def test_too_few_participants_abort_in_the_store(memory_uri: str) -> None:
     assert manager.allreduce(torch.ones(3)).wait() is True
     assert manager.should_commit() is False
     assert manager.current_step() == 0
-    decision = json.loads(manager.allreduce_backend.store.get(RoundKeys(0).decision))
-    assert decision["outcome"] == "abort"
-    assert "min_replica_size=2" in decision["reason"]
+    decision = manager.allreduce_backend.read_decision(0)
+    assert decision is not None
+    assert decision.outcome == "abort"
+    assert "min_replica_size=2" in decision.reason
     assert manager.allreduce_backend.latest_committed_round() is None
 
 

@@ -199,6 +199,7 @@ def test_local_executor_runs_allreduce_across_replicas(tmp_path: Path) -> None:
         assert report["round_ids"] == [0]
         assert report["bytes_written"] > 0
         assert report["bytes_read"] > 0
+        assert report["authenticated"] is True, "run_replicas hands the replicas the run's secret"
 
 
 def test_local_executor_handles_multiple_rounds(tmp_path: Path) -> None:
@@ -218,6 +219,7 @@ def test_local_executor_handles_multiple_rounds(tmp_path: Path) -> None:
         report = json.loads((out / f"rank{rank}.json").read_text())
         assert report["round_ids"] == [0, 1, 2]
         assert report["final_round_id"] == 3
+        assert report["authenticated"] is False, "launch_replicas alone passes no secret: checksums only"
     assert (tmp_path / "store" / "three-rounds").is_dir()
 
 

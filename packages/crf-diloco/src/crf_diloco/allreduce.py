@@ -1,88 +1,104 @@
 """`ObjectStoreAllReduce`: allreduce through nothing but an object store.
 
-Protocol of one round ``r`` (keys in :mod:`crf_diloco.layout`, wire format in :mod:`crf_diloco.wire`):
+Protocol of one round ``r`` (keys in :mod:`crf_diloco.layout`, records in :mod:`crf_diloco.records`, wire format in
+:mod:`crf_diloco.wire`; every object is authenticated with the run's secret, :mod:`crf_diloco.auth`):
 
-1. **Announce.** Each replica creates ``members/{rank}.json`` (incarnation nonce, payload spec). A
-   replica that vetoes the round (:meth:`ObjectStoreAllReduce.abort`) announces with a ``veto``
-   reason instead of a payload spec.
-2. **Quorum.** When every expected replica has announced, or the quorum deadline passes, any
-   replica creates ``quorum.json`` (first writer wins): the participants (sorted ranks), the shard
-   plan and a fresh round token. Expected = all ranks in the first round, afterwards the previous
-   round's participants and announcers, so survivors of a crash pay the quorum deadline once.
-   Late replicas are observers of the round: they contribute nothing but read the result. If an
-   announced participant vetoes, the replica that would write the quorum aborts the round instead:
-   membership is settled first, so no peer can miss the veto and run on alone in the next round.
-3. **Contribute.** Each participant creates ``data/{rank}.safetensors`` once (its whole payload).
-4. **Reduce-scatter.** The owner of shard ``k`` (``participants[k]``) range-reads slice ``k`` of
-   every payload, verifies its CRC, sums in fp32 in participant order (divides by the number of
-   participants for ``avg``), and creates ``reduced/{k}.safetensors``. If a shard is still missing
-   ``straggler_grace`` seconds into the data phase, any replica computes and creates it; the
-   inputs and summation order are fixed by the quorum, so duplicates are bit-identical.
+1. **Announce.** Each replica creates ``members/{rank}.json`` (incarnation nonce, payload spec). A replica that
+   vetoes the round (:meth:`ObjectStoreAllReduce.abort`, or a contribution with NaN/inf) announces a ``veto``.
+2. **Quorum.** When every expected replica has announced, or the quorum deadline passes, any replica creates
+   ``quorum.json`` (first writer wins): the participants (sorted ranks), their incarnations and a fresh round token.
+   The round's payload spec is the one most announcers share (ties: the lowest rank's); announcers with another
+   spec are ``rejected`` and raise `PayloadMismatchError`, alone. Expected = all ranks in the first round,
+   afterwards the previous round's participants and announcers, so survivors of a crash pay the quorum deadline
+   once. Late replicas observe the round: they contribute nothing but read the result. If an announced
+   participant vetoes, the replica that would write the quorum aborts the round instead.
+3. **Contribute.** Each participant creates ``data/{rank}.safetensors`` once (its whole payload; written in the
+   background while it reads the others' slices).
+4. **Reduce-scatter.** The owner of shard ``k`` (``participants[k]``) range-reads slice ``k`` of every payload,
+   verifies its tag, sums in fp32 in participant order (divides by the number of participants for ``avg``),
+   checks that the sum is finite (naming the ranks that sent NaN/inf) and creates ``reduced/{k}.safetensors``.
+   If a shard is still missing ``straggler_grace`` seconds into the data phase, any replica computes and creates
+   it; the inputs and summation order are fixed by the quorum, so duplicates are bit-identical.
 5. **All-gather.** Everyone reads and verifies the reduced shards.
-6. **Decide.** A replica that holds every verified shard creates ``decision.json`` with
-   ``commit``; a replica whose deadline passes, or that finds a corrupt or stale object, creates
-   it with ``abort``. First writer wins and every replica follows what it reads there, so no round
-   commits on one replica and aborts on another. Inputs are only written after a commit.
-7. **Vote** (rounds run with ``defer_decision=True``, e.g. by ``MockManager``: the collective
-   ``should_commit``). Step 6 never writes ``commit``; :meth:`ObjectStoreAllReduce.vote` does: each
-   participant creates ``votes/{rank}.json`` (``ok`` true or false), and the first replica able to
-   decide creates ``decision.json``: ``commit`` once every participant voted true, ``abort`` as soon
-   as one voted false or when ``timeout`` passes with votes missing. Observers do not vote; they
-   follow the decision. The inputs hold the reduced values from the end of step 5 on; the vote
-   decides whether the caller uses them.
+6. **Decide.** A replica that holds every verified shard creates ``decision.json`` with ``commit``; a replica
+   whose deadline passes, or that finds a corrupt, forged or stale object, creates it with ``abort``. First writer
+   wins and every replica follows what it reads there; a decision that fails authentication counts as ``abort``
+   for everyone. Inputs are only written after a commit.
+7. **Vote** (rounds run with ``defer_decision=True``, e.g. by ``MockManager``). Step 6 never writes ``commit``;
+   :meth:`ObjectStoreAllReduce.vote` does: each participant creates ``votes/{rank}.json``, and the first replica
+   able to decide creates ``decision.json``: ``commit`` once every participant voted true, ``abort`` as soon as
+   one voted false or when ``timeout`` passes with votes missing. Observers follow the decision.
 
-Bytes per participant with ``m`` participants and payload ``S``: up ``S + S/m``, down
-``2·(m−1)/m·S`` (plus small headers), independent of the world size.
+Bytes per participant with ``m`` participants and payload ``S``: up ``S + S/m``, down ``2·(m−1)/m·S`` (plus small
+headers), independent of the world size.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
 import os
 import random
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from crf_diloco.auth import Authenticator
 from crf_diloco.errors import (
     AllReduceError,
     CorruptObjectError,
+    PayloadMismatchError,
     RoundAbortedError,
     RoundDesyncError,
     RoundTimeoutError,
 )
 from crf_diloco.layout import LAYOUT_VERSION, RoundKeys, parse_round_dir, validate_name
-from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_URI, ENV_WORLD_SIZE
+from crf_diloco.payload import as_tensor_list, codec_of, count_nonfinite, flatten, write_back
+from crf_diloco.records import (
+    DecisionRecord,
+    MemberRecord,
+    PayloadSpec,
+    QuorumRecord,
+    VoteRecord,
+    ranks_named,
+)
+from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_SECRET, ENV_URI, ENV_WORLD_SIZE
 from crf_diloco.store import ObjectStore
+from crf_diloco.strictjson import parse_json_object
 from crf_diloco.wire import (
-    CODECS,
     Header,
-    ShardPlan,
-    decode_reduced,
+    Scratch,
+    check_payload_header,
     encode_payload,
     encode_reduced,
+    header_probe,
     read_header,
     read_payload_shard,
+    read_reduced,
     wire_roundtrip,
 )
 
-__all__ = ["ENV_RANK", "ENV_RUN_ID", "ENV_URI", "ENV_WORLD_SIZE", "ObjectStoreAllReduce", "RoundInfo"]
+__all__ = ["ObjectStoreAllReduce", "RoundInfo"]
 
 
 logger = logging.getLogger(__name__)
 TensorOrList = TypeVar("TensorOrList", torch.Tensor, Sequence[torch.Tensor])
+R = TypeVar("R")
 Compression = Literal["bf16", "int8"]
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _UNSET: Any = object()
+_MAX_RECORD = 1 << 20
+Pending = list["concurrent.futures.Future[None]"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundInfo:
     """What this replica knows about the last round it took part in."""
 
@@ -93,12 +109,12 @@ class RoundInfo:
     reason: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class _OpenRound:
     """A round whose data phase is done and whose decision waits for the vote."""
 
     keys: RoundKeys
-    quorum: dict[str, Any]
+    quorum: QuorumRecord
     participated: bool
 
 
@@ -110,24 +126,28 @@ class ObjectStoreAllReduce:
     """Allreduce over an fsspec object store, one fenced round per :meth:`allreduce` call.
 
     Args:
-        uri: fsspec URI of the rendezvous prefix: a bare path, ``file://``, ``memory://``,
-            ``s3://``, ``gs://``, ``az://``, ``hf://``… Local directories are created at once.
+        uri: fsspec URI of the rendezvous prefix: a bare path, ``file://``, ``memory://``, ``s3://``, ``gs://``,
+            ``az://``, ``hf://``… Local directories are created at once.
         rank: this replica's rank, ``0 <= rank < world_size``.
         world_size: number of replicas launched; ``1`` passes through without any I/O.
         run_id: name of the run under ``uri`` (a plain name; anything that could escape is rejected).
+        secret: the run's secret (at least 32 characters; `crf-diloco launch` makes one and `from_env` reads it).
+            Every object is authenticated with it; objects that fail are corrupt and never adopted. ``None``: the
+            store must be trusted (objects carry checksums only; a warning says so once).
         timeout: seconds each wait of the data phase may take before the round aborts.
         quorum_timeout: seconds to wait for expected replicas to announce (default: ``timeout``).
-        compression: ``None`` (fp32 on the wire), ``"bf16"`` or ``"int8"`` (row-wise scales).
-            The reduction itself is always fp32.
+        compression: ``None`` (fp32 on the wire), ``"bf16"`` or ``"int8"`` (row-wise scales). The reduction itself
+            is always fp32.
         storage_options: fsspec options (e.g. ``{"endpoint_url": ...}``, credentials).
         min_participants: a quorum with fewer participants aborts the round.
         poll_interval: longest sleep between two polls of the store (seconds).
-        straggler_grace: seconds into the data phase after which any replica covers a missing
-            reduced shard (default ``timeout / 3``).
-        keep_rounds: round directories older than this many rounds are deleted by the lowest
-            participant after each decision.
+        straggler_grace: seconds into the data phase after which any replica covers a missing reduced shard
+            (default ``timeout / 3``).
+        keep_rounds: round directories older than this many rounds are deleted by the lowest participant after
+            each decision.
         retries: extra attempts per store operation on transient errors.
-        preflight: if True, resolve the adapter and write/read/delete a probe object now.
+        preflight: if True, prove the store usable and create-only now (:meth:`preflight`); otherwise that check
+            runs before the first round.
     """
 
     def __init__(
@@ -137,6 +157,7 @@ class ObjectStoreAllReduce:
         world_size: int,
         *,
         run_id: str = "default",
+        secret: str | bytes | None = None,
         timeout: float = 60.0,
         quorum_timeout: float | None = None,
         compression: Compression | None = None,
@@ -169,6 +190,7 @@ class ObjectStoreAllReduce:
         self.rank = rank
         self.world_size = world_size
         self.run_id = validate_name(run_id, "run_id")
+        self.auth = Authenticator(secret, self.run_id)
         self.timeout = float(timeout)
         self.quorum_timeout = float(quorum_timeout) if quorum_timeout is not None else self.timeout
         self.compression: Compression | None = compression
@@ -181,18 +203,24 @@ class ObjectStoreAllReduce:
         self.last_round: RoundInfo | None = None
         self.store = ObjectStore(f"{uri.rstrip('/')}/{self.run_id}", storage_options, retries=retries)
         self._joined = False
+        self._store_checked = False
         self._layout_ok = False
         self._expected: set[int] | None = None
         self._open: list[_OpenRound] = []
+        self._bad_decisions: set[int] = set()
         self._closed = False
+        self._scratch = Scratch()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         if preflight:
             self.preflight()
 
     # -- construction helpers ---------------------------------------------------------------
     @classmethod
     def from_env(cls, **kwargs: Any) -> ObjectStoreAllReduce:
-        """Build from ``CRF_DILOCO_URI``, ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE`` and
-        ``CRF_DILOCO_RUN_ID`` (optional, default ``"default"``); ``kwargs`` override or extend them."""
+        """Build from ``CRF_DILOCO_URI``, ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE``, ``CRF_DILOCO_RUN_ID``
+        (optional, default ``"default"``) and ``CRF_DILOCO_SECRET`` (optional: without it the store must be
+        trusted); ``kwargs`` override or extend them."""
         required = ((ENV_URI, "uri"), (ENV_RANK, "rank"), (ENV_WORLD_SIZE, "world_size"))
         missing = [env for env, name in required if env not in os.environ and name not in kwargs]
         if missing:
@@ -205,17 +233,18 @@ class ObjectStoreAllReduce:
                     params[name] = int(raw)
                 except ValueError as exc:
                     raise ValueError(f"{env}={raw!r} is not an integer") from exc
-        if ENV_URI in os.environ:
-            params["uri"] = os.environ[ENV_URI]
-        if ENV_RUN_ID in os.environ:
-            params["run_id"] = os.environ[ENV_RUN_ID]
+        for env, name in ((ENV_URI, "uri"), (ENV_RUN_ID, "run_id"), (ENV_SECRET, "secret")):
+            if os.environ.get(env):
+                params[name] = os.environ[env]
         params.update(kwargs)
         return cls(**params)
 
     def preflight(self) -> None:
-        """Fail now, not at the first round, if the adapter is missing or the store unusable."""
-        if self.world_size > 1:
+        """Fail now, not at the first round, if the adapter is missing, the store unusable, or it overwrites
+        (`ObjectStore.preflight`: the second create of one key must fail)."""
+        if self.world_size > 1 and not self._store_checked:
             self.store.preflight()
+            self._store_checked = True
 
     @property
     def bytes_read(self) -> int:
@@ -226,8 +255,13 @@ class ObjectStoreAllReduce:
         return self.store.bytes_written
 
     def close(self) -> None:
-        """Mark the instance closed; further rounds raise."""
+        """Mark the instance closed (further rounds raise), finish background work, free buffers."""
         self._closed = True
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._scratch.clear()
 
     def __enter__(self) -> ObjectStoreAllReduce:
         return self
@@ -249,26 +283,28 @@ class ObjectStoreAllReduce:
         """Reduce ``tensors`` across replicas in place (one round) and return the same object.
 
         Args:
-            tensors: one tensor or a sequence of tensors (fp32, fp16 or bf16, any shape, any
-                device; reduced as one flat fp32 payload).
+            tensors: one tensor or a sequence of tensors (fp32, fp16 or bf16, any shape, any device; reduced as one
+                flat fp32 payload).
             op: ``"avg"`` (sum / number of participants) or ``"sum"``.
             compression: override the instance's wire compression for this round.
             participate: False to only read the round's result (a healing replica).
             name: optional label; every replica of the round must pass the same one.
-            defer_decision: leave the round open after the data phase: ``tensors`` hold the
-                reduced values, and :meth:`vote` later decides (store-wide) whether the round
-                commits. Every replica of the round must pass the same value.
+            defer_decision: leave the round open after the data phase: ``tensors`` hold the reduced values, and
+                :meth:`vote` later decides (store-wide) whether the round commits. Every replica of the round must
+                pass the same value.
 
         Raises:
             RoundAbortedError, RoundTimeoutError, CorruptObjectError, RoundDesyncError (all
-            :class:`AllReduceError`): the round did not commit here; inputs are unchanged.
+            :class:`AllReduceError`): the round did not commit here; inputs are unchanged. A contribution with
+            NaN/inf vetoes the round (``RoundAbortedError`` naming this rank).
+            PayloadMismatchError: this replica's payload differs from the one the round settled on.
         """
         if self._closed:
             raise AllReduceError("ObjectStoreAllReduce is closed")
-        tensor_list = _as_tensor_list(tensors)
+        tensor_list = as_tensor_list(tensors)
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
-        codec = _codec(self.compression if compression is _UNSET else compression)
+        codec = codec_of(self.compression if compression is _UNSET else compression)
         if name is not None:
             validate_name(name, "name")
         if not isinstance(defer_decision, bool):
@@ -278,25 +314,35 @@ class ObjectStoreAllReduce:
             self.round_id += 1
             return tensors
         self._join()
-        flat = _flatten(tensor_list)
+        flat = flatten(tensor_list, self._scratch)
+        veto = self._veto_for(flat) if participate else None
+        if veto is not None:
+            round_id = self.round_id
+            self.abort(veto)
+            raise RoundAbortedError(f"round {round_id} aborted: {veto} (this replica vetoed it)")
+        spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision)
         round_id = self.round_id
         try:
-            pieces = self._run_round(round_id, flat, op, codec, participate, name, defer_decision)
+            result = self._run_round(round_id, flat, spec, participate)
         finally:
             self.round_id = round_id + 1
-        _write_back(tensor_list, pieces)
+        write_back(tensor_list, result)
         return tensors
+
+    def _veto_for(self, flat: torch.Tensor) -> str | None:
+        """Why this replica must veto its contribution (NaN/inf in it), or ``None``."""
+        bad = count_nonfinite(flat)
+        return f"rank {self.rank}'s contribution has {bad} NaN/inf value(s)" if bad else None
 
     def abort(self, reason: str, *, participate: bool = True) -> None:
         """Veto the next round (a false vote cast before its data phase) and skip it; never raises
         :class:`RoundAbortedError`.
 
-        The veto is announced in the round's member records; the round is aborted for everyone as
-        soon as its membership is settled (every expected replica announced, or the quorum deadline
-        passed), so a peer that has not joined yet cannot skip the decided round and run the next
-        one alone. A veto that arrives after the quorum formed is late (this replica is not a
-        participant) and leaves the round to its participants. ``participate=False`` (an observing
-        replica) skips the round without any I/O.
+        The veto is announced in the round's member records; the round is aborted for everyone as soon as its
+        membership is settled (every expected replica announced, or the quorum deadline passed), so a peer that has
+        not joined yet cannot skip the decided round and run the next one alone. A veto that arrives after the
+        quorum formed is late (this replica is not a participant) and leaves the round to its participants.
+        ``participate=False`` (an observing replica) skips the round without any I/O.
         """
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {type(reason).__name__}")
@@ -308,9 +354,9 @@ class ObjectStoreAllReduce:
         self._join()
         round_id = self.round_id
         keys = RoundKeys(round_id)
-        quorum: dict[str, Any] | None = None
+        quorum: QuorumRecord | None = None
         try:
-            if self._read_json(keys.decision) is None:
+            if self.read_decision(round_id) is None:
                 quorum = self._await_quorum(keys, self._announce(keys, None, True, veto=reason))
             late = f"rank {self.rank}'s veto came after round {round_id} was settled without it: {reason}"
             self._finish(keys, quorum, "abort", late, participated=False)
@@ -318,9 +364,8 @@ class ObjectStoreAllReduce:
             self._finish(keys, None, "abort", str(exc), participated=False)
         except (_Abort, AllReduceError) as exc:
             # membership settled with our veto (or local trouble): abort the round for everyone
-            why = exc.args[0] if exc.args else repr(exc)
-            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {why}", None)
-            self._finish(keys, None, "abort", str(decision.get("reason", "")), participated=False)
+            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", None)
+            self._finish(keys, None, "abort", decision.reason, participated=False)
         finally:
             self.round_id = round_id + 1
 
@@ -332,13 +377,12 @@ class ObjectStoreAllReduce:
     def vote(self, ok: bool, reason: str = "") -> bool:
         """Vote on every open round (in order) and return True iff all of them committed.
 
-        A participant creates ``votes/{rank}.json``; the first replica able to decide creates the
-        round's decision: ``commit`` when every participant voted true, ``abort`` when one voted
-        false or ``timeout`` passed with votes missing. Every replica follows that decision, so the
-        result is the same on all participants. Observers do not vote, they wait for the decision.
-        Once a round aborts, this replica votes false on the rest. True when no round is open.
-        Store trouble counts as not committed here (the round may still commit elsewhere; this
-        replica is then behind and ``MockManager`` heals it). No I/O when no round is open.
+        A participant creates ``votes/{rank}.json``; the first replica able to decide creates the round's decision:
+        ``commit`` when every participant voted true, ``abort`` when one voted false or ``timeout`` passed with
+        votes missing. Every replica follows that decision, so the result is the same on all participants.
+        Observers do not vote, they wait for the decision. Once a round aborts, this replica votes false on the
+        rest. True when no round is open. Store trouble counts as not committed here (the round may still commit
+        elsewhere; this replica is then behind and ``MockManager`` heals it). No I/O when no round is open.
         """
         if not isinstance(ok, bool):
             raise TypeError(f"ok must be a bool, got {type(ok).__name__}")
@@ -352,21 +396,36 @@ class ObjectStoreAllReduce:
             committed = self._settle(open_round, ok and committed, why) and committed
         return committed
 
+    def read_decision(self, round_id: int) -> DecisionRecord | None:
+        """The decision of ``round_id`` as stored (``None`` if undecided). A decision object that is malformed or
+        fails authentication reads as ``abort`` (it can never be replaced, and nobody may adopt it)."""
+        keys = RoundKeys(round_id)
+        try:
+            return self._read_record(keys.decision, lambda o, k: DecisionRecord.parse(o, k, self.world_size, round_id))
+        except CorruptObjectError as exc:
+            if round_id not in self._bad_decisions:
+                self._bad_decisions.add(round_id)
+                logger.warning("rank %d: %s; round %d counts as aborted", self.rank, exc, round_id)
+            return DecisionRecord(
+                round_id, "abort", f"the decision object is corrupt or forged: {exc}", self.rank, None
+            )
+
+    def read_quorum(self, round_id: int) -> QuorumRecord | None:
+        """The quorum record of ``round_id`` (``None`` if not formed); `CorruptObjectError` if it is not authentic."""
+        key = RoundKeys(round_id).quorum
+        return self._read_record(key, lambda o, k: QuorumRecord.parse(o, k, self.world_size, round_id))
+
     def latest_committed_round(self) -> int | None:
-        """Highest round id whose decision in the store is ``commit`` (among retained rounds)."""
+        """Highest round id whose authentic decision in the store is ``commit`` (among retained rounds)."""
         for r in sorted(self._round_ids(), reverse=True):
-            decision = self._read_json(RoundKeys(r).decision)
-            if decision is not None and decision.get("outcome") == "commit":
+            decision = self.read_decision(r)
+            if decision is not None and decision.committed:
                 return r
         return None
 
-    # -- round machinery ------------------------------------------------------------------------
-    def _round_ids(self) -> list[int]:
-        return sorted(r for r in (parse_round_dir(n) for n in self.store.list_names("")) if r is not None)
-
     def frontier(self) -> int:
-        """The round replicas are in now: the newest round if undecided, else the one after it
-        (never less than this instance's ``round_id``)."""
+        """The round replicas are in now: the newest round if undecided, else the one after it (never less than
+        this instance's ``round_id``)."""
         self._check_layout()
         rounds = self._round_ids()
         frontier = self.round_id
@@ -379,57 +438,91 @@ class ObjectStoreAllReduce:
     def join(self, round_id: int | None = None) -> int:
         """Set the next round to ``round_id`` (default: the :meth:`frontier`) and return it.
 
-        A new instance joins the frontier by itself at its first round, which skips rounds decided
-        by an earlier run under the same ``run_id``; call this to choose the round explicitly.
+        A new instance joins the frontier by itself at its first round, which skips rounds decided by an earlier
+        run under the same ``run_id``; call this to choose the round explicitly.
         """
         if round_id is not None and round_id < 0:
             raise ValueError(f"round_id must be >= 0, got {round_id}")
+        self.preflight()
         self.round_id = self.frontier() if round_id is None else round_id
         self._joined = True
         return self.round_id
 
+    # -- store helpers --------------------------------------------------------------------------
     def _join(self) -> None:
         if not self._joined:
             self.join()
 
+    def _round_ids(self) -> list[int]:
+        return sorted(r for r in (parse_round_dir(n) for n in self.store.list_names("")) if r is not None)
+
     def _check_layout(self) -> None:
         if self._layout_ok:
             return
-        marker = json.dumps({"layout": "crf-diloco", "version": LAYOUT_VERSION}).encode()
-        if not self.store.put_create("LAYOUT", marker):
-            found = self._read_json("LAYOUT")
-            if not found or found.get("version") != LAYOUT_VERSION:
+        marker = {"layout": "crf-diloco", "version": LAYOUT_VERSION}
+        if not self._write_record("LAYOUT", marker):
+            try:
+                found = self._read_record("LAYOUT", lambda o, k: o)
+            except CorruptObjectError as exc:
+                raise AllReduceError(
+                    f"{self.store.uri!r} belongs to another run or secret, or to an older crf-diloco ({exc}). "
+                    "Use a new run_id, or this run's CRF_DILOCO_SECRET."
+                ) from None
+            if found != marker:
                 raise AllReduceError(
                     f"{self.store.uri!r} holds a crf-diloco layout {found!r}; this version writes layout "
                     f"{LAYOUT_VERSION}. Use a new run_id or a matching crf-diloco version."
                 )
         self._layout_ok = True
 
-    def _read_json(self, key: str) -> dict[str, Any] | None:
-        blob = self.store.try_get(key)
+    def _read_record(self, key: str, parse: Callable[[dict[str, Any], str], R]) -> R | None:
+        """The authenticated record at ``key`` parsed by ``parse``, ``None`` if absent, else `CorruptObjectError`."""
+        blob = self.store.try_get(key, limit=_MAX_RECORD)
         if blob is None:
             return None
-        try:
-            obj = json.loads(blob)
-        except ValueError as exc:
-            raise CorruptObjectError(f"{key}: not valid JSON") from exc
-        if not isinstance(obj, dict):
-            raise CorruptObjectError(f"{key}: expected a JSON object")
-        return obj
+        return parse(parse_json_object(self.auth.open_record(key, blob), key), key)
+
+    def _write_record(self, key: str, record: Any) -> bool:
+        """Create the sealed record at ``key`` (``record`` has ``to_json`` or is a dict); False if it existed."""
+        obj = record if isinstance(record, dict) else record.to_json()
+        body = json.dumps(obj, separators=(",", ":")).encode()
+        return self.store.put_create(key, self.auth.seal_record(key, body))
 
     def _sleep(self, attempt: int) -> None:
         time.sleep(min(self.poll_interval, 0.002 * 1.5 ** min(attempt, 20)) * (0.75 + 0.5 * random.random()))
 
-    def _write_decision(self, keys: RoundKeys, outcome: str, reason: str, token: str | None) -> dict[str, Any]:
+    def _submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+        """Run ``fn(*args)`` on this instance's background writer threads."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"crf-diloco-{self.rank}")
+            return self._pool.submit(fn, *args)
+
+    @staticmethod
+    def _check_pending(pending: Pending) -> None:
+        """Raise `_Abort` as soon as a background write of this round failed."""
+        for future in pending:
+            if future.done() and future.exception() is not None:
+                raise _Abort(f"writing this replica's object failed: {_why(future.exception())}")
+
+    @staticmethod
+    def _drain(pending: Pending) -> None:
+        """Wait for every background write of this round; raise `_Abort` for the first failure."""
+        errors = [e for e in (f.exception() for f in pending) if e is not None]
+        if errors:
+            raise _Abort(f"writing this replica's object failed: {_why(errors[0])}")
+
+    # -- decisions --------------------------------------------------------------------------------
+    def _write_decision(self, keys: RoundKeys, outcome: str, reason: str, token: str | None) -> DecisionRecord:
         """Create the round's decision (first writer wins) and return the one that stands."""
-        record = {"outcome": outcome, "reason": reason, "by": self.rank, "round": keys.round_id, "token": token}
+        record = DecisionRecord(keys.round_id, outcome, reason, self.rank, token)  # type: ignore[arg-type]
         with contextlib.suppress(AllReduceError):  # the read below decides whose decision stands
-            self.store.put_create(keys.decision, json.dumps(record).encode())
+            self._write_record(keys.decision, record)
         deadline = time.monotonic() + self.timeout
         attempt = 0
         while True:
             try:
-                found = self._read_json(keys.decision)
+                found = self.read_decision(keys.round_id)
             except AllReduceError:
                 found = None
             if found is not None:
@@ -440,86 +533,82 @@ class ObjectStoreAllReduce:
             attempt += 1
 
     def _check_decided(self, keys: RoundKeys) -> None:
-        decision = self._read_json(keys.decision)
-        if decision is not None and decision.get("outcome") == "abort":
-            raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.get('reason', '')}")
+        decision = self.read_decision(keys.round_id)
+        if decision is not None and not decision.committed:
+            raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
 
-    def _run_round(
-        self,
-        round_id: int,
-        flat: torch.Tensor,
-        op: str,
-        codec: str,
-        participate: bool,
-        name: str | None,
-        defer: bool,
-    ) -> list[torch.Tensor]:
+    @staticmethod
+    def _stands(decision: DecisionRecord, quorum: QuorumRecord | None) -> bool:
+        """True if ``decision`` commits the round that ``quorum`` describes (a commit of another attempt does not)."""
+        return decision.committed and quorum is not None and decision.token == quorum.token
+
+    # -- one round ------------------------------------------------------------------------------
+    def _run_round(self, round_id: int, flat: torch.Tensor, spec: PayloadSpec, participate: bool) -> torch.Tensor:
         keys = RoundKeys(round_id)
-        spec = {"numel": flat.numel(), "codec": codec, "op": op, "name": name, "vote": defer}
-        quorum: dict[str, Any] | None = None
+        quorum: QuorumRecord | None = None
         try:
-            decision = self._read_json(keys.decision)
+            decision = self.read_decision(round_id)
             if decision is not None:
-                if decision.get("outcome") != "commit":
-                    raise RoundAbortedError(f"round {round_id} aborted: {decision.get('reason', '')}")
-                quorum = self._read_json(keys.quorum)
-                if quorum is None:
-                    raise CorruptObjectError(f"round {round_id} committed without a quorum record")
-                quorum = _checked_quorum(quorum, keys)
+                if not decision.committed:
+                    raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}")
+                quorum = self.read_quorum(round_id)
+                if quorum is None or not self._stands(decision, quorum):
+                    raise CorruptObjectError(f"{keys.decision}: commits a round attempt without a matching quorum")
                 return self._follow_commit(keys, quorum, spec, decision)
             stale_self = self._announce(keys, spec, participate)
             quorum = self._await_quorum(keys, stale_self)
-            return self._data_phase(keys, quorum, flat, spec, defer)
+            return self._data_phase(keys, quorum, flat, spec)
         except RoundAbortedError:
             self._finish(keys, quorum, "abort", "")
             raise
         except (RoundDesyncError, RoundTimeoutError):
             raise
         except (_Abort, AllReduceError) as exc:
-            # local trouble (deadline, corrupt/stale object, store errors): vote abort, follow the decision
-            reason = exc.args[0] if exc.args else repr(exc)
-            token = quorum.get("token") if quorum else None
-            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {reason}", token)
-            if decision.get("outcome") == "commit" and quorum is not None:
+            # local trouble (deadline, corrupt/forged/stale object, store errors): abort, follow the decision
+            token = quorum.token if quorum else None
+            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", token)
+            if self._stands(decision, quorum):
+                assert quorum is not None
                 return self._follow_commit(keys, quorum, spec, decision)
-            self._finish(keys, quorum, "abort", str(decision.get("reason", "")))
-            raise RoundAbortedError(f"round {round_id} aborted: {decision.get('reason', '')}") from None
+            self._finish(keys, quorum, "abort", decision.reason)
+            corrupt = exc if isinstance(exc, CorruptObjectError) else exc.__cause__
+            raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}") from (
+                corrupt if isinstance(corrupt, CorruptObjectError) else None
+            )
 
-    def _announce(
-        self, keys: RoundKeys, spec: dict[str, Any] | None, participate: bool, veto: str | None = None
-    ) -> bool:
-        """Create this replica's member record. Returns True if a record of another incarnation of
-        this rank is already there (a stale round, or our own previous life)."""
-        record = {
-            "rank": self.rank,
-            "incarnation": self.incarnation,
-            "spec": spec,
-            "observer": not participate,
-            "veto": veto,
-        }
-        if self.store.put_create(keys.member(self.rank), json.dumps(record).encode()):
+    def _announce(self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
+        """Create this replica's member record. Returns True if a record of another incarnation of this rank is
+        already there (a stale round, or our own previous life)."""
+        record = MemberRecord(self.rank, self.incarnation, spec, not participate, veto)
+        if self._write_record(keys.member(self.rank), record):
             return False
-        existing = self._read_json(keys.member(self.rank))
-        return existing is None or existing.get("incarnation") != self.incarnation
+        existing = self._read_member(keys, self.rank)
+        return existing is None or existing.incarnation != self.incarnation
 
-    def _await_quorum(self, keys: RoundKeys, stale_self: bool) -> dict[str, Any]:
+    def _read_member(self, keys: RoundKeys, rank: int) -> MemberRecord | None:
+        key = keys.member(rank)
+        record = self._read_record(key, lambda o, k: MemberRecord.parse(o, k, self.world_size))
+        if record is not None and record.rank != rank:
+            raise CorruptObjectError(f"{key}: the record is rank {record.rank}'s")
+        return record
+
+    def _await_quorum(self, keys: RoundKeys, stale_self: bool) -> QuorumRecord:
         deadline = time.monotonic() + self.quorum_timeout
-        members: dict[int, dict[str, Any]] = {}
+        members: dict[int, MemberRecord] = {}
         attempt = 0
         while True:
-            quorum = self._read_json(keys.quorum)
+            quorum = self.read_quorum(keys.round_id)
             if quorum is not None:
-                return _checked_quorum(quorum, keys)
+                return quorum
             self._check_decided(keys)
             if stale_self:
                 raise _Abort(f"round {keys.round_id} holds a member record of another incarnation of rank {self.rank}")
-            for entry in self.store.list_names(keys.members_dir):
-                rank = _rank_of(entry)
-                if rank is not None and rank not in members:
-                    record = self._read_json(f"{keys.members_dir}/{entry}")
+            for rank in ranks_named(self.store.list_names(keys.members_dir), self.world_size):
+                if rank not in members:
+                    record = self._read_member(keys, rank)
                     if record is not None:
                         members[rank] = record
-            announced = {r for r, m in members.items() if not m.get("observer")}
+            announced = {r for r, m in members.items() if not m.observer}
             expected = self._expected if self._expected is not None else set(range(self.world_size))
             if expected <= announced or time.monotonic() > deadline:
                 self._propose_quorum(keys, members, announced)
@@ -527,126 +616,299 @@ class ObjectStoreAllReduce:
             self._sleep(attempt)
             attempt += 1
 
-    def _propose_quorum(self, keys: RoundKeys, members: dict[int, dict[str, Any]], announced: set[int]) -> None:
-        if len(announced) < self.min_participants:
-            raise _Abort(
-                f"only {len(announced)} replica(s) announced before the quorum deadline "
-                f"({self.quorum_timeout:.1f}s), min_participants={self.min_participants}"
-            )
-        participants = sorted(announced)
+    def _propose_quorum(self, keys: RoundKeys, members: dict[int, MemberRecord], announced: set[int]) -> None:
         vetoes = [
-            f"rank {r} vetoed round {keys.round_id}: {members[r]['veto']}"
-            for r in participants
-            if members[r].get("veto")
+            f"rank {r} vetoed round {keys.round_id}: {members[r].veto}" for r in sorted(announced) if members[r].veto
         ]
         if vetoes:
             raise _Abort("; ".join(vetoes))
-        specs = {json.dumps(members[r]["spec"], sort_keys=True) for r in participants}
-        if len(specs) != 1:
-            detail = {r: members[r]["spec"] for r in participants}
-            raise _Abort(f"replicas disagree on the payload of round {keys.round_id}: {detail}")
-        spec = members[participants[0]]["spec"]
-        plan = ShardPlan.build(int(spec["numel"]), str(spec["codec"]), len(participants))
-        record = {
-            "round": keys.round_id,
-            "token": uuid.uuid4().hex,
-            "participants": participants,
-            "incarnations": {str(r): members[r]["incarnation"] for r in participants},
-            "spec": spec,
-            "plan": plan.to_json(),
-            "by": self.rank,
+        specs = {r: s for r in sorted(announced) if (s := members[r].spec) is not None}
+        counts = Counter(specs.values())
+        # the spec most announcers share; ties go to the lowest rank's (ranks are in order, max keeps the first)
+        spec = max(counts, key=counts.__getitem__) if counts else None
+        participants = [r for r, s in specs.items() if s == spec]
+        if spec is None or len(participants) < self.min_participants:
+            raise _Abort(
+                f"only {len(participants)} replica(s) with a matching payload announced before the quorum deadline "
+                f"({self.quorum_timeout:.1f}s), min_participants={self.min_participants}"
+            )
+        rejected = {
+            r: f"rank {r} announced a payload of {s.describe()}, the round's is {spec.describe()}"
+            for r, s in specs.items()
+            if s != spec
         }
-        self.store.put_create(keys.quorum, json.dumps(record).encode())
+        record = QuorumRecord(
+            keys.round_id,
+            uuid.uuid4().hex,
+            tuple(participants),
+            {r: members[r].incarnation for r in participants},
+            spec,
+            self.rank,
+            rejected,
+        )
+        self._write_record(keys.quorum, record)
 
-    def _data_phase(
-        self, keys: RoundKeys, quorum: dict[str, Any], flat: torch.Tensor, spec: dict[str, Any], defer: bool
-    ) -> list[torch.Tensor]:
-        participants = [int(r) for r in quorum["participants"]]
-        plan = ShardPlan.from_json(quorum["plan"])
-        token = str(quorum["token"])
-        if quorum.get("spec") != spec:
-            raise _Abort(f"this replica's payload {spec} differs from the round's {quorum.get('spec')}")
+    def _check_spec(self, keys: RoundKeys, quorum: QuorumRecord, spec: PayloadSpec) -> None:
+        if self.rank in quorum.rejected or quorum.spec != spec:
+            raise PayloadMismatchError(
+                f"round {keys.round_id} settled on a payload of {quorum.spec.describe()}, but rank {self.rank} "
+                f"passed {spec.describe()}; every replica must allreduce the same tensors (shapes, op, compression, "
+                "name) in the same order"
+            )
+
+    def _data_phase(self, keys: RoundKeys, quorum: QuorumRecord, flat: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
+        self._check_spec(keys, quorum, spec)
+        participants, plan, token = quorum.participants, quorum.plan, quorum.token
         start = time.monotonic()
         deadline = start + self.timeout
         mine = self.rank in participants
-        if mine and quorum["incarnations"].get(str(self.rank)) != self.incarnation:
+        if mine and quorum.incarnations[self.rank] != self.incarnation:
             if not self.store.exists(keys.data(self.rank)):
                 raise _Abort(f"round {keys.round_id} lists rank {self.rank} from an incarnation that is gone")
             mine = False
-        local: dict[int, torch.Tensor] = {}
-        if mine:
-            meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
-            blob = encode_payload(flat, plan, meta)
-            if not self.store.put_create(keys.data(self.rank), blob):
-                header = read_header(self.store, keys.data(self.rank))
-                if header.metadata.get("token") != token:
-                    raise _Abort(f"{keys.data(self.rank)} exists from another round attempt")
-            del blob
-            shard = participants.index(self.rank)
-            local[shard] = self._reduce_shard(keys, quorum, plan, shard, deadline, own=flat)
-        pieces = self._gather(keys, quorum, plan, deadline, start, local, own=flat if mine else None)
-        if defer:
+        pending: Pending = []
+        done: set[int] = set()
+        try:
+            if mine:
+                key = keys.data(self.rank)
+                meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
+                pending.append(
+                    self._submit(self._create_payload, key, encode_payload(key, self.auth, flat, plan, meta), token)
+                )
+                shard = participants.index(self.rank)
+                self._reduce_shard(keys, quorum, shard, deadline, flat, pending)
+                done.add(shard)
+            result = self._gather(keys, quorum, deadline, start, done, flat if mine else None, pending)
+            self._drain(pending)
+        finally:
+            concurrent.futures.wait(pending)
+        if spec.vote:
             self._open.append(_OpenRound(keys, quorum, mine))
-            self.last_round = RoundInfo(keys.round_id, "pending", participants, mine)
-            return pieces
+            self.last_round = RoundInfo(keys.round_id, "pending", list(participants), mine)
+            return result
         decision = self._write_decision(keys, "commit", "", token)
-        if decision.get("outcome") != "commit":
-            raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.get('reason', '')}")
+        if not self._stands(decision, quorum):
+            raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
         self._finish(keys, quorum, "commit", "")
-        return pieces
+        return result
 
+    def _create_payload(self, key: str, blob: list[memoryview], token: str) -> None:
+        """(Background) create this replica's payload; an object already there must be ours (a retried write)."""
+        if not self.store.put_create(key, blob):
+            header = read_header(self.store, key, self.auth)
+            if header.metadata.get("token") != token:
+                raise _Abort(f"{key} exists from another round attempt")
+
+    def _create_reduced(self, key: str, blob: list[memoryview], check: Callable[[], None]) -> None:
+        """(Background) create a reduced shard; if one is already there, ``check`` that it holds our values."""
+        if not self.store.put_create(key, blob):
+            check()
+
+    def _reduce_shard(
+        self,
+        keys: RoundKeys,
+        quorum: QuorumRecord,
+        shard: int,
+        deadline: float,
+        own: torch.Tensor | None,
+        pending: Pending,
+    ) -> None:
+        """Sum shard ``shard`` over all participants in order into the result buffer and create its object."""
+        plan, participants, token = quorum.plan, quorum.participants, quorum.token
+        lo, hi = plan.elem_range(shard)
+        acc = self._result(plan.numel)[lo:hi]
+        for i, r in enumerate(participants):
+            if r == self.rank and own is not None:
+                values = wire_roundtrip(own[lo:hi], plan.codec)  # exactly what others decode from our object
+            else:
+                header = self._await_payload(keys, quorum, r, deadline, pending)
+                try:
+                    values = read_payload_shard(
+                        self.store, header, self.auth, plan, shard, self._scratch, out=acc if i == 0 else None
+                    )
+                except CorruptObjectError as exc:
+                    raise _Abort(str(exc)) from exc
+            if i == 0:
+                if values.data_ptr() != acc.data_ptr():
+                    acc.copy_(values)
+            else:
+                acc.add_(values)
+        if quorum.spec.op == "avg":
+            acc /= len(participants)
+        if count_nonfinite(acc):
+            raise _Abort(self._blame(keys, quorum, shard, own))
+        key = keys.reduced(shard)
+        meta = {"token": token, "round": str(keys.round_id), "contributors": json.dumps(list(participants))}
+        blob, decoded = encode_reduced(key, self.auth, acc, plan, shard, meta)
+        if decoded.data_ptr() != acc.data_ptr():
+            acc.copy_(decoded)
+
+        def check() -> None:
+            theirs = torch.empty_like(acc)
+            read_reduced(self.store, key, self.auth, plan, shard, theirs, Scratch(), token=token)
+            if not torch.equal(theirs, acc):
+                raise _Abort(f"{key} already exists with other values than this replica's reduction")
+
+        pending.append(self._submit(self._create_reduced, key, blob, check))
+
+    def _blame(self, keys: RoundKeys, quorum: QuorumRecord, shard: int, own: torch.Tensor | None) -> str:
+        """Why shard ``shard`` is not finite: the ranks whose slices hold NaN/inf, or an fp32 overflow."""
+        plan = quorum.plan
+        lo, hi = plan.elem_range(shard)
+        culprits = []
+        for r in quorum.participants:
+            try:
+                if r == self.rank and own is not None:
+                    values = wire_roundtrip(own[lo:hi], plan.codec)
+                else:
+                    header = read_header(self.store, keys.data(r), self.auth)
+                    values = read_payload_shard(self.store, header, self.auth, plan, shard, self._scratch)
+            except (OSError, AllReduceError) as exc:
+                culprits.append(f"rank {r}'s slice could not be read again ({_why(exc)})")
+                continue
+            bad = count_nonfinite(values.float())
+            if bad:
+                culprits.append(f"rank {r} contributed {bad} NaN/inf value(s) to shard {shard}")
+        return "; ".join(culprits) or f"shard {shard} of round {keys.round_id} overflows fp32"
+
+    def _await_payload(
+        self, keys: RoundKeys, quorum: QuorumRecord, rank: int, deadline: float, pending: Pending
+    ) -> Header:
+        key = keys.data(rank)
+        attempt = 0
+        while True:
+            try:
+                header = read_header(self.store, key, self.auth, header_probe(len(quorum.participants)))
+            except FileNotFoundError:
+                header = None
+            except CorruptObjectError as exc:
+                raise _Abort(str(exc)) from exc
+            if header is not None:
+                if header.metadata.get("token") != quorum.token:
+                    raise _Abort(f"{key} belongs to another round attempt (stale object)")
+                try:
+                    check_payload_header(header, quorum.plan, rank=str(rank), round=str(keys.round_id))
+                except CorruptObjectError as exc:
+                    raise _Abort(str(exc)) from exc
+                return header
+            self._check_decided(keys)
+            self._check_pending(pending)
+            if time.monotonic() > deadline:
+                raise _Abort(f"{key} did not appear within {self.timeout:.1f}s")
+            self._sleep(attempt)
+            attempt += 1
+
+    def _result(self, numel: int) -> torch.Tensor:
+        """The round's result buffer (fp32, ``numel``), reused across rounds."""
+        return self._scratch.get("result", 4 * numel).view(torch.float32)
+
+    def _gather(
+        self,
+        keys: RoundKeys,
+        quorum: QuorumRecord,
+        deadline: float,
+        start: float,
+        done: set[int],
+        own: torch.Tensor | None,
+        pending: Pending,
+        cover: bool = True,
+    ) -> torch.Tensor:
+        """Read every reduced shard not in ``done`` into the result buffer (covering stragglers); return it."""
+        plan, token = quorum.plan, quorum.token
+        result = self._result(plan.numel)
+        contributors = json.dumps(list(quorum.participants))
+        done = set(done)
+        attempt = 0
+        while len(done) < plan.n_shards:
+            for k in range(plan.n_shards):
+                if k in done:
+                    continue
+                lo, hi = plan.elem_range(k)
+                try:
+                    read_reduced(self.store, keys.reduced(k), self.auth, plan, k, result[lo:hi], self._scratch,
+                                 token=token, round=str(keys.round_id), contributors=contributors)  # fmt: skip
+                except FileNotFoundError:
+                    continue
+                except CorruptObjectError as exc:
+                    raise _Abort(str(exc)) from exc
+                done.add(k)
+            if len(done) == plan.n_shards:
+                break
+            self._check_decided(keys)
+            self._check_pending(pending)
+            now = time.monotonic()
+            if now > deadline:
+                missing = sorted(set(range(plan.n_shards)) - done)
+                raise _Abort(f"reduced shards {missing} did not appear within {self.timeout:.1f}s")
+            if cover and now - start > self.straggler_grace:
+                k = min(set(range(plan.n_shards)) - done)
+                self._reduce_shard(keys, quorum, k, deadline, own, pending)
+                done.add(k)
+                continue
+            self._sleep(attempt)
+            attempt += 1
+        return result
+
+    def _follow_commit(
+        self, keys: RoundKeys, quorum: QuorumRecord, spec: PayloadSpec, decision: DecisionRecord
+    ) -> torch.Tensor:
+        """The round committed: read its result (reduced shards are immutable and verified)."""
+        self._check_spec(keys, quorum, spec)
+        now = time.monotonic()
+        try:
+            result = self._gather(keys, quorum, now + self.timeout, now, set(), None, [], cover=False)
+        except (_Abort, AllReduceError) as exc:
+            self._finish(keys, quorum, "commit", "")
+            raise RoundDesyncError(
+                f"round {keys.round_id} committed but this replica could not read its result: {_why(exc)}"
+            ) from None
+        self._finish(keys, quorum, "commit", decision.reason, participated=False)
+        return result
+
+    # -- the vote -------------------------------------------------------------------------------
     def _settle(self, open_round: _OpenRound, ok: bool, reason: str) -> bool:
         """Cast this replica's vote on an open round, then decide or follow; True iff it committed."""
         keys, quorum = open_round.keys, open_round.quorum
-        token = str(quorum["token"])
-        participants = [int(r) for r in quorum["participants"]]
         try:
             if open_round.participated:
-                record = {
-                    "rank": self.rank,
-                    "ok": ok,
-                    "reason": reason,
-                    "token": token,
-                    "incarnation": self.incarnation,
-                }
-                self.store.put_create(keys.vote(self.rank), json.dumps(record).encode())
-            decision = self._await_votes(keys, participants, token, ok, reason)
+                vote = VoteRecord(self.rank, ok, reason, quorum.token, self.incarnation)
+                self._write_record(keys.vote(self.rank), vote)
+            decision = self._await_votes(keys, quorum, ok, reason)
         except (_Abort, AllReduceError) as exc:
-            why = exc.args[0] if exc.args else repr(exc)
             try:
-                decision = self._write_decision(keys, "abort", f"rank {self.rank}: {why}", token)
+                decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", quorum.token)
             except AllReduceError as final:
                 logger.warning("round %d: could not settle its vote: %s", keys.round_id, final)
                 self._finish(keys, quorum, "abort", str(final), participated=open_round.participated)
                 return False
-        outcome: Literal["commit", "abort"] = "commit" if decision.get("outcome") == "commit" else "abort"
-        self._finish(keys, quorum, outcome, str(decision.get("reason", "")), participated=open_round.participated)
-        return outcome == "commit"
+        committed = self._stands(decision, quorum)
+        outcome: Literal["commit", "abort"] = "commit" if committed else "abort"
+        self._finish(keys, quorum, outcome, decision.reason, participated=open_round.participated)
+        return committed
 
-    def _await_votes(
-        self, keys: RoundKeys, participants: list[int], token: str, ok: bool, reason: str
-    ) -> dict[str, Any]:
+    def _await_votes(self, keys: RoundKeys, quorum: QuorumRecord, ok: bool, reason: str) -> DecisionRecord:
         """Poll the round's votes until a decision stands (writing it when this replica can decide)."""
+        token, participants = quorum.token, quorum.participants
         if not ok:
             return self._write_decision(keys, "abort", f"rank {self.rank} voted to abort: {reason}", token)
         deadline = time.monotonic() + self.timeout
-        votes: dict[int, dict[str, Any]] = {}
+        votes: dict[int, VoteRecord] = {}
         attempt = 0
         while True:
-            decision = self._read_json(keys.decision)
+            decision = self.read_decision(keys.round_id)
             if decision is not None:
                 return decision
-            for entry in self.store.list_names(keys.votes_dir):
-                rank = _rank_of(entry)
+            for rank in ranks_named(self.store.list_names(keys.votes_dir), self.world_size):
                 if rank in participants and rank not in votes:
-                    record = self._read_json(keys.vote(rank))
+                    key = keys.vote(rank)
+                    record = self._read_record(key, lambda o, k: VoteRecord.parse(o, k, self.world_size))
                     if record is not None:
-                        if record.get("token") != token:
-                            raise _Abort(f"{keys.vote(rank)} belongs to another round attempt (stale object)")
+                        if record.rank != rank or record.token != token:
+                            raise _Abort(f"{key} belongs to another rank or round attempt (stale object)")
                         votes[rank] = record
-            against = sorted(r for r, v in votes.items() if v.get("ok") is not True)
+            against = sorted(r for r, v in votes.items() if not v.ok)
             if against:
-                why = "; ".join(f"rank {r} voted to abort: {votes[r].get('reason', '')}" for r in against)
+                why = "; ".join(f"rank {r} voted to abort: {votes[r].reason}" for r in against)
                 return self._write_decision(keys, "abort", why, token)
             if len(votes) == len(participants):
                 return self._write_decision(keys, "commit", "", token)
@@ -658,124 +920,15 @@ class ObjectStoreAllReduce:
             self._sleep(attempt)
             attempt += 1
 
-    def _reduce_shard(
-        self,
-        keys: RoundKeys,
-        quorum: dict[str, Any],
-        plan: ShardPlan,
-        shard: int,
-        deadline: float,
-        own: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Sum shard ``shard`` over all participants in order, create its object, return its decoded values."""
-        participants = [int(r) for r in quorum["participants"]]
-        token = str(quorum["token"])
-        lo, hi = plan.elem_range(shard)
-        acc = torch.zeros(hi - lo, dtype=torch.float32)
-        for r in participants:
-            if r == self.rank and own is not None:
-                acc += wire_roundtrip(own[lo:hi], plan.codec)  # exactly what others decode from our object
-                continue
-            header = self._await_header(keys, keys.data(r), token, deadline)
-            try:
-                acc += read_payload_shard(self.store, keys.data(r), header, plan, shard)
-            except CorruptObjectError as exc:
-                raise _Abort(str(exc)) from exc
-        if quorum["spec"]["op"] == "avg":
-            acc /= len(participants)
-        meta = {"token": token, "round": str(keys.round_id), "contributors": json.dumps(participants)}
-        blob, decoded = encode_reduced(acc, plan, shard, meta)
-        self.store.put_create(keys.reduced(shard), blob)
-        return decoded
-
-    def _await_header(self, keys: RoundKeys, key: str, token: str, deadline: float) -> Header:
-        attempt = 0
-        while True:
-            try:
-                header = read_header(self.store, key)
-            except FileNotFoundError:
-                header = None
-            except CorruptObjectError as exc:
-                raise _Abort(str(exc)) from exc
-            if header is not None:
-                if header.metadata.get("token") != token:
-                    raise _Abort(f"{key} belongs to another round attempt (stale object)")
-                return header
-            self._check_decided(keys)
-            if time.monotonic() > deadline:
-                raise _Abort(f"{key} did not appear within {self.timeout:.1f}s")
-            self._sleep(attempt)
-            attempt += 1
-
-    def _gather(
-        self,
-        keys: RoundKeys,
-        quorum: dict[str, Any],
-        plan: ShardPlan,
-        deadline: float,
-        start: float,
-        local: dict[int, torch.Tensor],
-        own: torch.Tensor | None,
-        cover: bool = True,
-    ) -> list[torch.Tensor]:
-        token = str(quorum["token"])
-        shards = dict(local)
-        attempt = 0
-        while len(shards) < plan.n_shards:
-            for k in range(plan.n_shards):
-                if k in shards:
-                    continue
-                blob = self.store.try_view(keys.reduced(k))
-                if blob is None:
-                    continue
-                try:
-                    shards[k] = decode_reduced(blob, plan, k, keys.reduced(k), token)[0]
-                except CorruptObjectError as exc:
-                    raise _Abort(str(exc)) from exc
-            if len(shards) == plan.n_shards:
-                break
-            self._check_decided(keys)
-            now = time.monotonic()
-            if now > deadline:
-                missing = sorted(set(range(plan.n_shards)) - set(shards))
-                raise _Abort(f"reduced shards {missing} did not appear within {self.timeout:.1f}s")
-            if cover and now - start > self.straggler_grace:
-                k = min(set(range(plan.n_shards)) - set(shards))
-                shards[k] = self._reduce_shard(keys, quorum, plan, k, deadline, own)
-                continue
-            self._sleep(attempt)
-            attempt += 1
-        return [shards[k] for k in range(plan.n_shards)]
-
-    def _follow_commit(
-        self, keys: RoundKeys, quorum: dict[str, Any], spec: dict[str, Any], decision: dict[str, Any]
-    ) -> list[torch.Tensor]:
-        """The round committed: read its result (reduced shards are immutable and verified)."""
-        if quorum.get("spec") != spec:
-            raise AllReduceError(
-                f"round {keys.round_id} committed a payload {quorum.get('spec')} that differs from this replica's {spec}"
-            )
-        plan = ShardPlan.from_json(quorum["plan"])
-        now = time.monotonic()
-        try:
-            pieces = self._gather(keys, quorum, plan, now + self.timeout, now, {}, None, cover=False)
-        except (_Abort, AllReduceError) as exc:
-            self._finish(keys, quorum, "commit", "")
-            raise RoundDesyncError(
-                f"round {keys.round_id} committed but this replica could not read its result: {exc}"
-            ) from None
-        self._finish(keys, quorum, "commit", str(decision.get("reason", "")), participated=False)
-        return pieces
-
     def _finish(
         self,
         keys: RoundKeys,
-        quorum: dict[str, Any] | None,
+        quorum: QuorumRecord | None,
         outcome: Literal["commit", "abort"],
         reason: str,
         participated: bool | None = None,
     ) -> None:
-        participants = [int(r) for r in quorum["participants"]] if quorum else []
+        participants = list(quorum.participants) if quorum else []
         if participated is None:
             participated = self.rank in participants
         self.last_round = RoundInfo(keys.round_id, outcome, participants, participated, reason)
@@ -783,81 +936,17 @@ class ObjectStoreAllReduce:
             names = self.store.list_names(keys.members_dir)
         except AllReduceError:
             names = []
-        announced = {r for r in (_rank_of(n) for n in names) if r is not None}
-        self._expected = (set(participants) | announced) or None
+        announced = set(ranks_named(names, self.world_size))
+        if quorum is not None:  # the next round expects this one's participants and announcers
+            self._expected = ((set(participants) | announced) - set(quorum.rejected)) or None
+        elif self._expected is not None:  # aborted before its quorum: who was expected still is
+            self._expected |= announced
         if participants and self.rank == min(participants) and keys.round_id >= self.keep_rounds:
-            self.store.remove_tree(RoundKeys(keys.round_id - self.keep_rounds).prefix)
+            self._submit(self.store.remove_tree, RoundKeys(keys.round_id - self.keep_rounds).prefix)
 
 
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The round's flat fp32 payload (a view, without a copy, for one contiguous fp32 CPU tensor)."""
-    if len(tensors) == 1:
-        return tensors[0].detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
-
-
-def _write_back(tensors: list[torch.Tensor], pieces: list[torch.Tensor]) -> None:
-    """Copy the concatenation of ``pieces`` (fp32) into ``tensors`` in order, casting to their dtype."""
-    with torch.no_grad():
-        only = tensors[0]
-        if len(tensors) == 1 and only.dtype == torch.float32 and only.is_contiguous() and only.device.type == "cpu":
-            torch.cat(pieces, out=only.view(-1))
-            return
-        flat = torch.cat(pieces)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view(t.shape))
-            offset += n
-
-
-def _checked_quorum(quorum: dict[str, Any], keys: RoundKeys) -> dict[str, Any]:
-    """The quorum record, after checking the fields the protocol relies on."""
-    try:
-        participants = [int(r) for r in quorum["participants"]]
-        ok = (
-            participants == sorted(set(participants))
-            and isinstance(quorum["token"], str)
-            and isinstance(quorum["incarnations"], dict)
-            and isinstance(quorum["spec"], dict)
-            and ShardPlan.from_json(quorum["plan"]).n_shards == len(participants)
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptObjectError(f"{keys.quorum}: malformed quorum record ({exc!r})") from exc
-    if not ok:
-        raise CorruptObjectError(f"{keys.quorum}: inconsistent quorum record {quorum!r}")
-    return quorum
-
-
-def _rank_of(entry: str) -> int | None:
-    stem = entry.rsplit("/", 1)[-1]
-    if not stem.endswith(".json"):
-        return None
-    try:
-        return int(stem[: -len(".json")])
-    except ValueError:
-        return None
-
-
-def _codec(compression: str | None) -> str:
-    codec = "fp32" if compression is None else compression
-    if codec not in CODECS or (codec == "fp32" and compression is not None):
-        raise ValueError(f"compression must be None, 'bf16' or 'int8', got {compression!r}")
-    return codec
-
-
-def _as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    tensor_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    if not tensor_list:
-        raise ValueError("allreduce needs at least one tensor")
-    for i, t in enumerate(tensor_list):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{i}] is a {type(t).__name__}, expected a torch.Tensor")
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(
-                f"tensors[{i}] has dtype {t.dtype}; ObjectStoreAllReduce reduces float32, float16 and "
-                "bfloat16 tensors (cast others first)"
-            )
-    if sum(t.numel() for t in tensor_list) == 0:
-        raise ValueError("allreduce needs at least one element across its tensors")
-    return tensor_list
+def _why(exc: BaseException | None) -> str:
+    """The reason carried by an exception (its first argument), for abort records."""
+    if exc is None:
+        return ""
+    return str(exc.args[0]) if exc.args else repr(exc)

@@ -1,25 +1,28 @@
-"""Checkpoints of nested state dicts as safetensors (no pickle).
+"""Checkpoints of nested state dicts as authenticated safetensors objects (no pickle).
 
 A state such as ``{"StreamingDiLoCoFragment_0": {"outer_optimizer": {...}, "original_parameters":
 {...}}, "torchft": {"step": 3, ...}}`` is split into its tensors (stored as safetensors tensors
 ``t0, t1, …``) and a JSON skeleton (stored in the safetensors metadata under ``skeleton``) that
 records dict keys with their types (``int`` keys survive, as in optimizer ``state``), lists,
-tuples, and JSON scalars. Anything else raises ``TypeError`` naming the path of the value.
+tuples, and JSON scalars. Anything else raises ``TypeError`` naming the path of the value. The object is sealed like
+every other (:mod:`crf_diloco.wire`: header MAC, content tag), so a healing replica loads only authentic state.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+
+from crf_diloco.auth import Authenticator
+from crf_diloco.errors import CorruptObjectError
+from crf_diloco.strictjson import parse_json_object
+from crf_diloco.wire import Blob, decode_object, encode_object
 
 __all__ = ["dumps_state", "loads_state"]
 
-_FORMAT = "crf-diloco-state-1"
+_FORMAT = "crf-diloco-state-2"
 
 
 def _pack(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
@@ -60,38 +63,25 @@ def _unpack(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-def _crc(tensors: dict[str, torch.Tensor]) -> int:
-    crc = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-        crc = zlib.crc32(t.contiguous().reshape(-1).numpy().tobytes(), crc)
-    return crc
-
-
-def dumps_state(state: dict[str, Any]) -> bytes:
-    """Serialise a nested state dict to safetensors bytes (with a CRC-32 over all tensor bytes)."""
+def dumps_state(state: dict[str, Any], key: str, auth: Authenticator) -> Blob:
+    """Serialise a nested state dict as the authenticated safetensors object at ``key`` (one content tag)."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _pack(state, tensors, "")
-    # own copies: safetensors refuses tensors that share storage
-    tensors = {name: t.detach().to("cpu").clone() for name, t in tensors.items()}
-    meta = {"format": _FORMAT, "skeleton": json.dumps(skeleton), "crc": str(_crc(tensors))}
-    return st_save(tensors, metadata=meta)
+    # own contiguous CPU copies: the object must not change while it is written, nor share storage
+    tensors = {name: t.detach().to("cpu").clone().contiguous() for name, t in tensors.items()}
+    return encode_object(key, auth, "state", tensors, {"format": _FORMAT, "skeleton": json.dumps(skeleton)})
 
 
-def loads_state(blob: bytes) -> dict[str, Any]:
-    """Inverse of :func:`dumps_state`."""
-    if len(blob) < 8:
-        raise ValueError("checkpoint is truncated")
-    header_len = int.from_bytes(blob[:8], "little")
-    meta = json.loads(blob[8 : 8 + header_len]).get("__metadata__") or {}
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"not a crf-diloco state checkpoint (format {meta.get('format')!r})")
-    tensors = st_load(blob)
-    if str(_crc(tensors)) != meta.get("crc"):
-        raise ValueError("checkpoint CRC-32 mismatch: the object is corrupt")
-    state = _unpack(json.loads(meta["skeleton"]), tensors)
+def loads_state(blob: bytes, key: str, auth: Authenticator) -> dict[str, Any]:
+    """Inverse of :func:`dumps_state`; `CorruptObjectError` naming ``key`` for anything not authentic or malformed."""
+    header, tensors = decode_object(blob, key, auth, "state")
+    if header.metadata.get("format") != _FORMAT:
+        raise CorruptObjectError(f"{key}: not a crf-diloco state checkpoint (format {header.metadata.get('format')!r})")
+    skeleton = parse_json_object(b'{"root":' + header.meta("skeleton").encode() + b"}", key)["root"]
+    try:
+        state = _unpack(skeleton, tensors)
+    except (KeyError, TypeError, ValueError, IndexError, RecursionError) as exc:
+        raise CorruptObjectError(f"{key}: malformed state skeleton ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict):
-        raise ValueError("checkpoint root is not a dict")
+        raise CorruptObjectError(f"{key}: checkpoint root is not a dict")
     return state

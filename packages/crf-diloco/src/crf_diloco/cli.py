@@ -4,12 +4,15 @@
                       [--env KEY=VALUE ...] [executor options] script.py [args...]
 
 Each replica runs ``python script.py args...`` with ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE``,
-``CRF_DILOCO_URI`` and ``CRF_DILOCO_RUN_ID`` set (the script calls `ObjectStoreAllReduce.from_env`). With
-``--executor hf`` or ``modal`` the script travels inside the command (`script_command`) and the replicas install
-``--pip`` packages (default: this crf-diloco with the store's extra); ``--secret NAME`` sends a variable of this
-shell as a secret. Replica output is streamed with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr); a
-summary follows on stderr. Exit status: 0 when every replica exited 0, 1 when any failed or timed out, 2 on bad
-arguments, 130/143 when interrupted by SIGINT/SIGTERM (the replicas are stopped first).
+``CRF_DILOCO_URI``, ``CRF_DILOCO_RUN_ID`` and ``CRF_DILOCO_SECRET`` set (the script calls
+`ObjectStoreAllReduce.from_env`). The secret authenticates every store object; it is made fresh per launch (never
+printed) unless ``--env CRF_DILOCO_SECRET=...`` or the launcher's environment gives one (to relaunch into a run).
+With ``--executor hf`` or ``modal`` the script travels inside the command (`script_command`), the replicas install
+``--pip`` packages (default: this crf-diloco with the store's extra) and the secret goes through the backend's
+secrets; ``--secret NAME`` sends a variable of this shell as a secret too. Replica output is streamed with a
+``[rank r]`` prefix (stdout to stdout, stderr to stderr); a summary follows on stderr. Exit status: 0 when every
+replica exited 0, 1 when any failed or timed out, 2 on bad arguments, 130/143 when interrupted by SIGINT/SIGTERM
+(the replicas are stopped first).
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = commands.add_parser(
         "launch",
         help="start N replicas of a training script wired to one object store",
-        description="Start N replicas of SCRIPT; each gets CRF_DILOCO_RANK/WORLD_SIZE/URI/RUN_ID in its environment.",
+        description="Start N replicas of SCRIPT; each gets CRF_DILOCO_RANK/WORLD_SIZE/URI/RUN_ID/SECRET in its environment.",
     )
     launch.add_argument("--replicas", type=_positive_int, required=True, metavar="N", help="number of replicas")
     launch.add_argument("--uri", required=True, help="object-store URI or local folder shared by the replicas")

@@ -10,6 +10,7 @@ __all__ = [
     "AllReduceError",
     "CorruptObjectError",
     "HealError",
+    "PayloadMismatchError",
     "RoundAbortedError",
     "RoundDesyncError",
     "RoundTimeoutError",
@@ -30,7 +31,10 @@ class RoundTimeoutError(AllReduceError):
 
 
 class CorruptObjectError(AllReduceError):
-    """An object read from the store failed its size, header or CRC-32 check."""
+    """An object read from the store is malformed, has the wrong layout for its round, or failed authentication.
+
+    The message starts with the object's key. Such an object is never adopted; the round aborts (one abort decision).
+    """
 
 
 class RoundDesyncError(AllReduceError):
@@ -47,3 +51,12 @@ class HealError(AllReduceError):
 
 class StoreBackendMissingError(AllReduceError, ImportError):
     """The fsspec adapter for the URI's protocol is not installed (``s3fs``, ``gcsfs``, ``adlfs``…)."""
+
+
+class PayloadMismatchError(ValueError):
+    """This replica's payload (element count, codec, op, name) differs from the one its round settled on.
+
+    Not an `AllReduceError` on purpose: it is a configuration error of this replica alone, so it is raised to the
+    caller (``MockManager.should_commit`` re-raises it) instead of turning into a failed round. The other replicas
+    exclude it from the round and carry on.
+    """

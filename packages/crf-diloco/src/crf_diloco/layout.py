@@ -1,17 +1,20 @@
-"""Object-store layout of a serverless DiLoCo run (layout version 2).
+"""Object-store layout of a serverless DiLoCo run (layout version 3).
 
 Everything lives under ``{uri}/{run_id}/``::
 
-    LAYOUT                          {"layout": "crf-diloco", "version": 2}      (create-only)
+    LAYOUT                          {"layout": "crf-diloco", "version": 3}      (create-only)
     r{round:08d}/members/{rank}.json  announcement: incarnation nonce, payload spec, observer flag, veto
-    r{round:08d}/quorum.json          participants, shard bounds, round token (first writer wins)
+    r{round:08d}/quorum.json          participants, incarnations, payload spec, rejected ranks, round token (first writer wins)
     r{round:08d}/data/{rank}.safetensors      a participant's whole payload, written once
     r{round:08d}/reduced/{shard}.safetensors  the reduced shard (owner, or any replica covering it)
     r{round:08d}/votes/{rank}.json    a participant's commit vote {"ok": bool, ...} (rounds run with a vote)
     r{round:08d}/decision.json        {"outcome": "commit" | "abort", ...}   (first writer wins)
     state/r{round:08d}.safetensors    MockManager's global state after the commit of that round
 
-Version 2 added ``votes/`` (the store-wide ``should_commit`` vote) and the member ``veto`` field.
+Version 2 added ``votes/`` (the store-wide ``should_commit`` vote) and the member ``veto`` field. Version 3
+authenticates every object with the run's secret (records sealed as ``{"mac": ..., "body": ...}``, tensor objects in
+wire format 2 with a header MAC and per-shard content tags), stores typed records (the quorum names ``rejected``
+ranks and no longer stores the shard plan) and writes states in the same sealed format.
 Every object is written create-only and never rewritten. Names that reach a key are validated
 so that nothing can escape the run prefix.
 """
@@ -29,7 +32,7 @@ __all__ = [
     "validate_name",
 ]
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ROUND_RE = re.compile(r"^r(\d{8,})$")
 _STATE_RE = re.compile(r"^r(\d{8,})\.safetensors$")

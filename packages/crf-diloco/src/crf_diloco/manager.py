@@ -25,7 +25,7 @@ from torch.distributed import ReduceOp
 
 from crf_diloco.allreduce import ObjectStoreAllReduce
 from crf_diloco.checkpoint import dumps_state, loads_state
-from crf_diloco.errors import AllReduceError, HealError
+from crf_diloco.errors import AllReduceError, CorruptObjectError, HealError, PayloadMismatchError
 from crf_diloco.layout import parse_state_key, state_key
 
 __all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork"]
@@ -196,6 +196,7 @@ class MockManager:
         self._last_committed_round: int | None = None
         self._checkpoint_due: int | None = None
         self._observe_next = False
+        self._stale = False
         self._participants: list[int] = []
 
     # -- identity / quorum -------------------------------------------------------------------
@@ -379,6 +380,8 @@ class MockManager:
                 logger.warning("rank %d could not veto its round: %s", self.rank, e)
             self._rounds_ok.append(False)
         self._flush()
+        if isinstance(self._errored, PayloadMismatchError):
+            raise self._errored  # this replica's configuration differs from its peers': fail loudly
         enough = self.num_participants() >= self._min_replica_size
         local_ok = bool(self._rounds_ok) and all(self._rounds_ok) and self._errored is None and enough
         if self._errored is not None:
@@ -413,8 +416,8 @@ class MockManager:
     def _write_state(self, round_id: int) -> None:
         if not self._save_fns:
             return
-        store = self._allreduce.store
-        store.put_create(state_key(round_id), dumps_state(self._state(round_id)))
+        store, key = self._allreduce.store, state_key(round_id)
+        store.put_create(key, dumps_state(self._state(round_id), key, self._allreduce.auth))
         rounds = sorted(r for r in (parse_state_key(n) for n in store.list_names("state")) if r is not None)
         for old in rounds[:-_KEEP_STATES]:
             store.remove_tree(state_key(old))
@@ -429,9 +432,10 @@ class MockManager:
             logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
 
     def _ensure_checkpoint(self) -> None:
-        """Write the last committed state if its writer (the lowest participant) did not."""
+        """Write the last committed state if its writer (the lowest participant) did not (never from a replica
+        that is behind: its state is not the committed one)."""
         r = self._last_committed_round
-        if not self._checkpoint or r is None or not self._save_fns:
+        if not self._checkpoint or r is None or not self._save_fns or self._stale:
             return
         try:
             if not self._allreduce.store.exists(state_key(r)):
@@ -439,8 +443,34 @@ class MockManager:
         except AllReduceError as e:
             logger.warning("could not write the checkpoint of round %d: %s", r, e)
 
+    def _read_state(self, round_id: int) -> dict[str, Any] | None:
+        """The authentic state written after ``round_id`` committed (``None`` if absent); `CorruptObjectError` if
+        the object is not authentic or malformed."""
+        key = state_key(round_id)
+        blob = self._allreduce.store.try_get(key)
+        if blob is None:
+            return None
+        state = loads_state(blob, key, self._allreduce.auth)
+        meta = state.get("torchft")
+        fields = ("round", "step", "batches_committed")
+        if not isinstance(meta, dict) or not all(type(meta.get(f)) is int for f in fields) or meta["round"] != round_id:
+            raise CorruptObjectError(
+                f"{key}: its torchft record is not round {round_id}'s {{round, step, batches_committed}}"
+            )
+        missing = sorted(set(self._load_fns) - set(state))
+        if missing:
+            raise HealError(
+                f"{key} has no state for {missing} (has {sorted(state)}): the replicas register different state"
+            )
+        return state
+
     def _maybe_heal(self) -> None:
-        """Load the last committed state if this replica is behind the store, then observe one round."""
+        """Load the last committed state if this replica is behind the store, then observe one round.
+
+        Only authentic state is loaded. If the latest committed round's state is corrupt or forged (it can never be
+        replaced: objects are create-only), or does not appear within ``heal_timeout``, the replica falls back to
+        the newest authentic earlier state, stays an observer and heals again once a newer committed state exists.
+        """
         if self._allreduce.world_size == 1:
             return
         deadline = time.monotonic() + self._heal_timeout
@@ -448,29 +478,59 @@ class MockManager:
             # frontier first: every round between the latest commit read afterwards and it aborted
             frontier = self._allreduce.frontier()
             latest = self._allreduce.latest_committed_round()
-            if latest is None or latest == self._last_committed_round:
+            if latest is None or (latest == self._last_committed_round and not self._stale):
                 return
             if not self._load_fns:
                 raise HealError(
                     f"rank {self.rank} is behind the store (last committed round {latest}) but no state is "
                     "registered to load; use MockManager with torchft DiLoCo (it registers its state)"
                 )
-            blob = self._allreduce.store.try_get(state_key(latest))
-            if blob is not None:
+            try:
+                state = self._read_state(latest)
+            except CorruptObjectError as e:
+                logger.warning("rank %d cannot heal from round %d: %s", self.rank, latest, e)
                 break
+            if state is not None:
+                self._load(latest, state, frontier, stale=False)
+                return
             if time.monotonic() > deadline:  # its writer may have died: others write it at start_quorum
-                raise HealError(
-                    f"rank {self.rank} is behind but the state of committed round {latest} "
-                    f"({state_key(latest)}) did not appear within {self._heal_timeout:.1f}s"
-                )
+                logger.warning(
+                    "rank %d: the state of committed round %d (%s) did not appear within %.1fs",
+                    self.rank, latest, state_key(latest), self._heal_timeout,
+                )  # fmt: skip
+                break
             time.sleep(self._allreduce.poll_interval)
-        state = loads_state(blob)
-        for key, load_fn in self._load_fns.items():
-            if key not in state:
-                raise HealError(f"checkpoint of round {latest} has no state for {key!r} (has {sorted(state)})")
-            load_fn(state[key])
-        self.load_state_dict(state["torchft"])
-        self._last_committed_round = latest
+        self._fall_back(latest, frontier)
+
+    def _fall_back(self, latest: int, frontier: int) -> None:
+        """Load the newest authentic state older than ``latest`` (and newer than this replica's own), stay behind."""
+        own = self._last_committed_round if self._last_committed_round is not None else -1
+        names = self._allreduce.store.list_names("state")
+        for r in sorted((r for r in map(parse_state_key, names) if r is not None and own < r < latest), reverse=True):
+            try:
+                state = self._read_state(r)
+            except CorruptObjectError as e:
+                logger.warning("rank %d skips a checkpoint: %s", self.rank, e)
+                continue
+            if state is not None:
+                self._load(r, state, frontier, stale=True)
+                return
+        if self._last_committed_round is None and not self._stale:
+            raise HealError(
+                f"rank {self.rank} is behind the store (last committed round {latest}) and found no authentic "
+                "committed state to load; check that every replica runs with the run's CRF_DILOCO_SECRET"
+            )
+        self._stale = True  # keep this replica's own (older) state; heal once a newer committed state exists
         self._allreduce.join(frontier)
         self._observe_next = True
-        logger.info("rank %d healed from round %d (step %d)", self.rank, latest, self._step)
+
+    def _load(self, round_id: int, state: dict[str, Any], frontier: int, *, stale: bool) -> None:
+        for key, load_fn in self._load_fns.items():
+            load_fn(state[key])
+        self.load_state_dict(state["torchft"])
+        self._last_committed_round = round_id
+        self._stale = stale
+        self._allreduce.join(frontier)
+        self._observe_next = True
+        how = "falling back to an earlier committed state" if stale else "in step with the store"
+        logger.info("rank %d healed from round %d (step %d), %s", self.rank, round_id, self._step, how)

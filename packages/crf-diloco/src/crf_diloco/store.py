@@ -6,28 +6,32 @@ Create-only semantics per backend (fsspec 2026.9, read from its source):
   plain write, which races and lets readers see a half-written file. We instead write a temporary
   file in the same directory and ``os.link`` it into place; ``link`` fails with ``FileExistsError``
   if the name exists and readers only ever see complete objects.
-* ``memory://``: ``pipe_file(mode="create")`` opens with ``"xb"`` → ``FileExistsError``.
+* ``memory://``: ``pipe_file(mode="create")`` opens with ``"xb"``, which checks and then creates (two threads can
+  both win); the check-and-create runs under a process-wide lock here, so exactly one writer wins.
 * ``s3://`` (s3fs): ``pipe_file(mode="create")`` sends ``If-None-Match: *``; a 412 surfaces as
   ``FileExistsError`` or, depending on the error body, ``OSError(EINVAL, "...Precondition...")``;
   both mean "already exists". Other protocols that implement ``mode="create"`` work the same way.
+
+`ObjectStore.preflight` proves it for the store at hand (it writes one key twice and requires the second write to
+fail); `ObjectStoreAllReduce` runs that check before its first round and refuses a store that overwrites.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
-from crf_diloco.errors import AllReduceError, StoreBackendMissingError
+from crf_diloco.errors import AllReduceError, CorruptObjectError, StoreBackendMissingError
 
 __all__ = ["ADAPTER_PACKAGES", "ObjectStore"]
 
@@ -45,7 +49,41 @@ ADAPTER_PACKAGES: dict[str, str] = {
     "adl": "adlfs",
     "hf": "huggingface_hub",
 }
-_NOT_TRANSIENT = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
+class _ClaimedPaths:
+    """Create-only for ``memory://``: one writer at a time per path (others wait for it, then see the object).
+
+    ``MemoryFileSystem.pipe_file(mode="create")`` checks that the path is free and then creates it, so two threads
+    can both win. A claim makes check-and-create exclusive per path without serialising writes of other paths.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: dict[str, threading.Event] = {}
+
+    @contextlib.contextmanager
+    def claim(self, fs: MemoryFileSystem, path: str) -> Iterator[None]:
+        """Hold ``path`` for one create; raise ``FileExistsError`` if it exists (after any writer in flight)."""
+        while True:
+            with self._lock:
+                busy = self._busy.get(path)
+                if busy is None:
+                    if fs.exists(path):
+                        raise FileExistsError(path)
+                    done = self._busy[path] = threading.Event()
+                    break
+            busy.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._busy[path]
+            done.set()
+
+
+_MEMORY_CREATES = _ClaimedPaths()
+_NOT_TRANSIENT = (FileNotFoundError, FileExistsError)
 
 
 def _missing_adapter_error(uri: str, protocol: str, cause: BaseException) -> StoreBackendMissingError:
@@ -62,14 +100,6 @@ def _missing_adapter_error(uri: str, protocol: str, cause: BaseException) -> Sto
 
 def _is_precondition_failed(exc: OSError) -> bool:
     return exc.errno == errno.EINVAL and "precondition" in str(exc).lower()
-
-
-def _map_file(path: str) -> memoryview:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return memoryview(b"")
-        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 class ObjectStore:
@@ -147,6 +177,12 @@ class ObjectStore:
         for attempt in range(self.retries + 1):
             try:
                 return fn()
+            except (IsADirectoryError, NotADirectoryError) as exc:
+                raise CorruptObjectError(
+                    f"{what} under {self.uri!r}: the store holds something other than an object there ({exc})"
+                ) from exc
+            except PermissionError as exc:
+                raise AllReduceError(f"permission denied on {what} under {self.uri!r}: {exc}") from exc
             except _NOT_TRANSIENT:
                 raise
             except OSError as exc:
@@ -179,91 +215,84 @@ class ObjectStore:
         parts = [memoryview(data)] if isinstance(data, bytes) else list(data)
         try:
             if isinstance(fs, LocalFileSystem):
-                self._call(f"create {key}", lambda: self._local_create(path, parts))
+                self._call(f"create {key}", lambda: _local_create(path, parts))
             else:
                 joined = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
-                self._call(f"create {key}", lambda: fs.pipe_file(path, joined, mode="create"))
+                if isinstance(fs, MemoryFileSystem):  # its "xb" open checks, then creates: not atomic on its own
+                    with _MEMORY_CREATES.claim(fs, path):
+                        self._call(f"create {key}", lambda: fs.pipe_file(path, joined, mode="create"))
+                else:
+                    self._call(f"create {key}", lambda: fs.pipe_file(path, joined, mode="create"))
         except FileExistsError:
             return False
         with self._lock:
             self.bytes_written += sum(p.nbytes for p in parts)
         return True
 
-    @staticmethod
-    def _local_create(path: str, parts: list[memoryview]) -> None:
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-        try:
-            os.link(tmp, path)
-        finally:
-            os.unlink(tmp)
-
-    def get(self, key: str) -> bytes:
-        """Whole object; ``FileNotFoundError`` if absent."""
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        """Whole object; ``FileNotFoundError`` if absent; `CorruptObjectError` if longer than ``limit`` bytes."""
+        if limit is not None:
+            data = self.get_range(key, 0, limit + 1)
+            if len(data) > limit:
+                raise CorruptObjectError(f"{key}: object is larger than the {limit} bytes such a record may have")
+            return data
         path = self.path(key)
-        data = self._call(f"read {key}", lambda: self.fs.cat_file(path))
-        with self._lock:
-            self.bytes_read += len(data)
+        if self.is_local:
+            data = self._call(f"read {key}", lambda: _local_read(path, 0, None))
+        else:
+            data = self._call(f"read {key}", lambda: self.fs.cat_file(path))
+        self._count_read(len(data))
         return bytes(data)
 
-    def try_get(self, key: str) -> bytes | None:
-        """Whole object, or ``None`` if absent."""
+    def try_get(self, key: str, limit: int | None = None) -> bytes | None:
+        """Whole object (see :meth:`get`), or ``None`` if absent."""
         try:
-            return self.get(key)
+            return self.get(key, limit)
         except FileNotFoundError:
             return None
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of an object (one ranged read)."""
+        """Bytes ``[start, end)`` of an object (one ranged read; fewer if the object ends first)."""
         if not 0 <= start <= end:
             raise ValueError(f"bad byte range [{start}, {end}) for {key}")
-        if start == end:
-            return b""
         path = self.path(key)
-        data = self._call(f"ranged read {key}", lambda: self.fs.cat_file(path, start=start, end=end))
-        with self._lock:
-            self.bytes_read += len(data)
+        if self.is_local:
+            data = self._call(f"ranged read {key}", lambda: _local_read(path, start, end))
+        else:
+            data = self._call(f"ranged read {key}", lambda: self.fs.cat_file(path, start=start, end=end))
+        self._count_read(len(data))
         return bytes(data)
 
-    def view(self, key: str, start: int | None = None, end: int | None = None) -> memoryview:
-        """Bytes ``[start, end)`` (default: all) of an object as a read-only buffer.
-
-        On a local disk the file is memory-mapped (objects are immutable, so the mapping stays
-        valid even after garbage collection unlinks the file): no copy into Python memory.
-        Elsewhere it is one (ranged) read.
-        """
-        if start is not None and end is not None and not 0 <= start <= end:
-            raise ValueError(f"bad byte range [{start}, {end}) for {key}")
+    def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Read bytes ``[start, start + len(buf))`` of an object into ``buf``; the number of bytes read (fewer if
+        the object ends first). Local files are read straight into ``buf`` (a private copy: what was read cannot
+        change under the reader, unlike a memory map); elsewhere this is one ranged read."""
         path = self.path(key)
-        if isinstance(self.fs, LocalFileSystem):
-            data = self._call(f"map {key}", lambda: _map_file(path))[start:end]
-        elif start is None and end is None:
-            data = memoryview(self._call(f"read {key}", lambda: self.fs.cat_file(path)))
+        if self.is_local:
+            got = self._call(f"ranged read {key}", lambda: _local_read_into(path, start, buf))
         else:
-            data = memoryview(self._call(f"ranged read {key}", lambda: self.fs.cat_file(path, start=start, end=end)))
-        with self._lock:
-            self.bytes_read += data.nbytes
-        return data
+            data = self._call(f"ranged read {key}", lambda: self.fs.cat_file(path, start=start, end=start + buf.nbytes))
+            got = min(len(data), buf.nbytes)
+            buf[:got] = data[:got]
+        self._count_read(got)
+        return got
 
-    def try_view(self, key: str) -> memoryview | None:
-        """Whole object as a buffer (see :meth:`view`), or ``None`` if absent."""
-        try:
-            return self.view(key)
-        except FileNotFoundError:
-            return None
+    def _count_read(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
 
     def exists(self, key: str) -> bool:
         path = self.path(key)
+        if self.is_local:
+            return os.path.exists(path)
         return bool(self._call(f"exists {key}", lambda: self.fs.exists(path)))
 
     def list_names(self, key: str) -> list[str]:
         """Base names of the entries directly under ``key`` (empty if it does not exist)."""
         path = self.path(key)
         try:
+            if self.is_local:
+                return sorted(self._call(f"list {key}", lambda: _local_list(path)))
             entries = self._call(f"list {key}", lambda: self.fs.ls(path, detail=False, refresh=True))
         except FileNotFoundError:
             return []
@@ -276,26 +305,95 @@ class ObjectStore:
             self.fs.rm(path, recursive=True)
 
     def preflight(self) -> None:
-        """Resolve the adapter and write, read and delete a probe object.
+        """Prove the store usable and create-only: write a probe key twice, read it back, delete it.
+
+        The second write must fail (the key exists) and the object must still hold the first bytes; a store that
+        overwrites would let two replicas both "win" a quorum or a decision, so it is refused.
 
         Raises:
             StoreBackendMissingError: the adapter package is not installed.
-            AllReduceError: the store is unreachable or the credentials are missing or wrong.
+            AllReduceError: the store is unreachable, the credentials are missing or wrong, or writes overwrite.
         """
         key = f".preflight/{uuid.uuid4().hex}"
-        payload = b"crf-diloco preflight"
+        first, second = b"crf-diloco preflight 1", b"crf-diloco preflight 2"
         try:
-            self.put_create(key, payload)
-            if self.get(key) != payload:
-                raise AllReduceError(f"preflight of {self.uri!r}: read back different bytes than written")
+            if not self.put_create(key, first):
+                raise AllReduceError(f"preflight of {self.uri!r}: a fresh probe key already existed")
+            overwrote = self.put_create(key, second)
+            back = self.get(key)
+            if overwrote or back != first:
+                raise AllReduceError(
+                    f"{self.uri!r} does not enforce create-only writes (a second write of {key} "
+                    f"{'succeeded' if overwrote else 'changed the object'}): replicas could overwrite each other's "
+                    "quorum and decision objects. Use a local folder, memory://, or S3 (or a store that honours "
+                    "If-None-Match: *)"
+                )
         except StoreBackendMissingError:
             raise
         except AllReduceError:
             raise
         except Exception as exc:
             raise AllReduceError(
-                f"preflight of {self.uri!r} failed: {exc!r}; check the URI, network access and credentials"
+                f"preflight of {self.uri!r} failed: {exc!r}; check the URI, network access and credentials "
+                "(and that the fsspec adapter supports pipe_file(mode='create'))"
             ) from exc
         finally:
             if self._fs is not None:
                 self.remove_tree(key)
+
+
+def _local_create(path: str, parts: list[memoryview]) -> None:
+    """Write a temporary file next to ``path`` and link it into place: ``FileExistsError`` if ``path`` exists,
+    and readers never see a partial object."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            for part in parts:
+                view = part.cast("B") if part.format != "B" else part
+                while view.nbytes:
+                    view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+
+
+def _local_list(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except NotADirectoryError:
+        return []
+
+
+def _local_read(path: str, start: int, end: int | None) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        if end is None:
+            return f.read()
+        f.seek(start)
+        return f.read(end - start)
+
+
+def _local_read_into(path: str, start: int, buf: memoryview) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < buf.nbytes:
+            n = _preadv(fd, buf[got:], start + got)
+            if n == 0:
+                break
+            got += n
+        return got
+    finally:
+        os.close(fd)
+
+
+def _preadv(fd: int, buf: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buf], offset)
+    data = os.pread(fd, buf.nbytes, offset)  # pragma: no cover (platforms without preadv)
+    buf[: len(data)] = data
+    return len(data)

@@ -1,22 +1,24 @@
-"""Wire format: safetensors objects with per-shard CRC-32 checksums, fp32/bf16/int8 codecs.
+"""Wire format (version 2): authenticated safetensors objects; fp32/bf16/int8 codecs of a flat payload.
 
-A payload is the flat fp32 concatenation ``x`` of all tensors of a round (``numel`` elements).
-It is cut into *units* (one element for ``fp32``/``bf16``, one row of :data:`INT8_BLOCK` elements
-for ``int8``) and the units are split into one contiguous shard per participant.
+A payload is the flat fp32 concatenation ``x`` of all tensors of a round (``numel`` elements). It is cut into
+*units* (one element for ``fp32``/``bf16``, one row of :data:`INT8_BLOCK` elements for ``int8``) and the units into
+one contiguous shard per participant (`ShardPlan`).
 
-Codecs (tensor names inside the safetensors object):
+Codecs (tensor names inside the object):
 
 * ``fp32``: ``x`` (F32, ``[numel]``).
 * ``bf16``: ``x`` (BF16, ``[numel]``), round-to-nearest-even of ``x``.
 * ``int8``: row-wise absmax quantisation of ``x`` zero-padded to ``[rows, INT8_BLOCK]``:
-  ``s_i = max_j |x_ij| / 127`` (F32, ``[rows]``), ``q_ij = round(x_ij / s_i)`` (I8), decoded as
-  ``q_ij · s_i``. Like torchft's row-wise quantised allreduce (one fp32 scale per row), except
-  that rows are fixed-size blocks of the flattened payload instead of the tensors' own rows.
+  ``s_i = max_j |x_ij| / 127`` (F32, ``[rows]``), ``q_ij = round(x_ij / s_i)`` (I8), decoded as ``q_ij · s_i``.
+  Like torchft's row-wise quantised allreduce (one fp32 scale per row), except that rows are fixed-size blocks of the
+  flattened payload instead of the tensors' own rows.
 
-The object's safetensors metadata (``__metadata__``) carries ``crf_diloco`` (format version),
-``codec``, ``numel``, round ``token``, and ``crc``: the CRC-32 of each shard's bytes (the slice
-of every tensor, tensors in name order), so a replica that range-reads one shard can verify it
-without reading the rest. Nothing is ever unpickled.
+Every object is a valid safetensors file whose JSON header starts with ``{"__metadata__":{"mac":"<64 hex>"``. The
+metadata also holds ``crf_diloco`` (this version), ``kind`` (``payload``, ``reduced`` or ``state``), a random
+``nonce``, ``tag_alg`` and ``tags``: one content tag per item (per shard of a payload, one for the other kinds) over
+the item's bytes of every tensor in name order, so one range-read shard is verified without reading the rest.
+``mac`` is `Authenticator.mac_hex` over the key and the header with the mac digits zeroed, so the header is checked
+before it is parsed. Nothing is ever unpickled; every malformed object raises `CorruptObjectError` naming its key.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from crf_diloco.auth import MAC_HEX, Authenticator, default_tag_alg
 from crf_diloco.errors import CorruptObjectError
+from crf_diloco.strictjson import parse_json_object
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -43,25 +47,43 @@ __all__ = [
     "WIRE_VERSION",
     "Blob",
     "Header",
+    "Scratch",
     "ShardPlan",
-    "decode_reduced",
+    "check_payload_header",
+    "decode_object",
+    "encode_object",
     "encode_payload",
     "encode_reduced",
+    "header_probe",
     "read_header",
     "read_payload_shard",
+    "read_reduced",
     "wire_roundtrip",
 ]
 
-WIRE_VERSION = "1"
+WIRE_VERSION = "2"
 CODECS = ("fp32", "bf16", "int8")
 INT8_BLOCK = 512
 _INT8_MAX = 127.0
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+_MAC_PREFIX = b'{"__metadata__":{"mac":"'
+_MAX_HEADER = 1 << 20
+HEADER_PROBE = 4096
 
-#: An encoded object as a list of buffers (header first), written without joining on local disks.
+#: An encoded object as a list of buffers (header first); never joined on local disks.
 Blob = list[memoryview]
-_HEADER_PROBE = 2048
 
 
 @dataclass(frozen=True)
@@ -100,18 +122,14 @@ class ShardPlan:
         a, b = self.bounds[shard], self.bounds[shard + 1]
         return min(a * self.unit, self.numel), min(b * self.unit, self.numel)
 
-    def to_json(self) -> dict[str, object]:
-        return {"codec": self.codec, "numel": self.numel, "bounds": list(self.bounds)}
-
-    @staticmethod
-    def from_json(obj: dict[str, object]) -> ShardPlan:
-        bounds = obj["bounds"]
-        numel = obj["numel"]
-        if not isinstance(bounds, list) or not isinstance(numel, int):
-            raise CorruptObjectError(f"malformed shard plan {obj!r}")
-        return ShardPlan(str(obj["codec"]), numel, tuple(int(b) for b in bounds))
+    def shapes(self, a: int, b: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Tensor names, dtypes and shapes of units ``[a, b)`` under this codec."""
+        if self.codec == "int8":
+            return {"q": (torch.int8, (b - a, INT8_BLOCK)), "s": (torch.float32, (b - a,))}
+        return {"x": (torch.float32 if self.codec == "fp32" else torch.bfloat16, (b - a,))}
 
 
+# -- codecs -------------------------------------------------------------------------------------------
 def _encode_units(x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
     """Encode a flat fp32 slice that starts on a unit boundary."""
     if codec == "fp32":
@@ -129,10 +147,10 @@ def _encode_units(x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
 
 
 def _decode_units(tensors: dict[str, torch.Tensor], codec: str, numel: int) -> torch.Tensor:
-    """Inverse of :func:`_encode_units` (fp32, ``numel`` elements)."""
+    """Inverse of :func:`_encode_units`: ``numel`` values (fp32, or the raw bf16 values; both add exactly)."""
     if codec == "int8":
         return (tensors["q"].to(torch.float32) * tensors["s"][:, None]).reshape(-1)[:numel]
-    return tensors["x"].to(torch.float32)[:numel]
+    return tensors["x"][:numel]
 
 
 def wire_roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
@@ -142,98 +160,13 @@ def wire_roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
     return _decode_units(_encode_units(x.contiguous(), codec), codec, x.numel())
 
 
-def _buffer(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
+# -- buffers ------------------------------------------------------------------------------------------
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor (a view when contiguous)."""
     if t.numel() == 0:
         return memoryview(b"")
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)  # numpy has no bf16: same bytes as int16
-    return memoryview(cast("Buffer", t.contiguous().numpy())).cast("B")
-
-
-def _safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Blob:
-    """Serialise to the safetensors format (8-byte LE header length, JSON header, raw little-endian
-    data) as buffers that point into the tensors, so a 256 MB payload is never copied in memory."""
-    header: dict[str, object] = {"__metadata__": metadata}
-    parts: Blob = []
-    offset = 0
-    for name in sorted(tensors):
-        buf = _buffer(tensors[name])
-        header[name] = {
-            "dtype": _ST_NAMES[tensors[name].dtype],
-            "shape": list(tensors[name].shape),
-            "data_offsets": [offset, offset + buf.nbytes],
-        }
-        parts.append(buf)
-        offset += buf.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8-byte alignment
-    return [memoryview(struct.pack("<Q", len(raw)) + raw), *parts]
-
-
-def _crc(tensors: dict[str, torch.Tensor], a: int, b: int) -> int:
-    crc = 0
-    for name in sorted(tensors):
-        crc = zlib.crc32(_buffer(tensors[name][a:b]), crc)
-    return crc
-
-
-def _meta(meta: dict[str, str], plan: ShardPlan) -> dict[str, str]:
-    return {"crf_diloco": WIRE_VERSION, "codec": plan.codec, "numel": str(plan.numel), **meta}
-
-
-def encode_payload(flat: torch.Tensor, plan: ShardPlan, meta: dict[str, str]) -> Blob:
-    """A participant's whole payload as safetensors bytes with one CRC per shard."""
-    if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() != plan.numel:
-        raise ValueError(f"payload must be a flat fp32 tensor of {plan.numel} elements")
-    tensors = _encode_units(flat, plan.codec)
-    crcs = [_crc(tensors, plan.bounds[k], plan.bounds[k + 1]) for k in range(plan.n_shards)]
-    return _safetensors_blob(tensors, {**_meta(meta, plan), "crc": json.dumps(crcs)})
-
-
-@dataclass(frozen=True)
-class Header:
-    """Parsed safetensors header: absolute byte ranges of each tensor, and the metadata."""
-
-    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]
-    metadata: dict[str, str]
-    data_start: int
-
-
-def _parse_header(blob: bytes | memoryview, key: str) -> Header | int:
-    """Header from the first bytes of an object, or the number of bytes needed if ``blob`` is short."""
-    if len(blob) < 8:
-        raise CorruptObjectError(f"{key}: object shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", blob[:8])
-    if n > 100_000_000:
-        raise CorruptObjectError(f"{key}: implausible safetensors header length {n}")
-    if len(blob) < 8 + n:
-        return 8 + n
-    try:
-        raw = json.loads(bytes(blob[8 : 8 + n]))
-    except ValueError as exc:
-        raise CorruptObjectError(f"{key}: safetensors header is not JSON ({exc})") from exc
-    metadata = raw.pop("__metadata__", None) or {}
-    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-    for name, info in raw.items():
-        dtype = _ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise CorruptObjectError(f"{key}: tensor {name!r} has unexpected dtype {info.get('dtype')!r}")
-        start, end = info["data_offsets"]
-        tensors[name] = (dtype, tuple(info["shape"]), 8 + n + start, 8 + n + end)
-    if metadata.get("crf_diloco") != WIRE_VERSION:
-        raise CorruptObjectError(f"{key}: not a crf-diloco v{WIRE_VERSION} object (metadata {metadata!r})")
-    return Header(tensors, metadata, 8 + n)
-
-
-def read_header(store: ObjectStore, key: str) -> Header:
-    """Read and parse an object's header with one (rarely two) ranged reads."""
-    blob = store.get_range(key, 0, _HEADER_PROBE)
-    parsed = _parse_header(blob, key)
-    if isinstance(parsed, int):
-        parsed = _parse_header(store.get_range(key, 0, parsed), key)
-        assert isinstance(parsed, Header)
-    return parsed
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(cast("Buffer", flat.numpy())).cast("B")
 
 
 def _frombuffer(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -243,94 +176,312 @@ def _frombuffer(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, .
     if count == 0:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: never written through
         return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
-def _expected_shapes(plan: ShardPlan, a: int, b: int) -> dict[str, tuple[int, ...]]:
-    if plan.codec == "int8":
-        return {"q": (b - a, INT8_BLOCK), "s": (b - a,)}
-    return {"x": (b - a,)}
+class Scratch:
+    """Reusable byte buffers, one per name, grown on demand (warm pages make the next round cheaper)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, nbytes: int) -> torch.Tensor:
+        """A writable ``uint8`` tensor of ``nbytes`` bytes (8-byte aligned)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 8), dtype=torch.uint8)
+            self._buffers[name] = buf
+        return buf[:nbytes]
+
+    def clear(self) -> None:
+        self._buffers.clear()
 
 
-def _check_layout(header: Header, plan: ShardPlan, key: str, a: int, b: int) -> None:
-    want = _expected_shapes(plan, a, b)
-    got = {name: shape for name, (_, shape, _, _) in header.tensors.items()}
-    meta = header.metadata
-    if got != want or meta.get("codec") != plan.codec or meta.get("numel") != str(plan.numel):
-        raise CorruptObjectError(
-            f"{key}: layout {got} codec={meta.get('codec')} numel={meta.get('numel')} does not match "
-            f"the round's plan {want} codec={plan.codec} numel={plan.numel}"
-        )
+# -- sealing ------------------------------------------------------------------------------------------
+def encode_object(
+    key: str,
+    auth: Authenticator,
+    kind: str,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    items: Sequence[tuple[int, int]] | None = None,
+) -> Blob:
+    """Seal ``tensors`` (CPU, any safetensors dtype) as the object at ``key``.
+
+    ``items``: unit ranges ``[a, b)`` (rows of each tensor) that get their own content tag, in order; ``None`` for
+    one tag over everything. The data are not copied: the returned buffers point into ``tensors``.
+    """
+    names = sorted(tensors)
+    buffers = [_bytes_of(tensors[n]) for n in names]
+    nonce = auth.new_nonce()
+    if items is None:
+        tags = [auth.tag(key, nonce, 0, buffers)]
+    else:
+        row_bytes = [b.nbytes // max(tensors[n].shape[0], 1) for n, b in zip(names, buffers, strict=True)]
+        tags = [
+            auth.tag(key, nonce, i, [buf[a * rb : b * rb] for buf, rb in zip(buffers, row_bytes, strict=True)])
+            for i, (a, b) in enumerate(items)
+        ]
+    metadata = {"mac": "0" * MAC_HEX, "crf_diloco": WIRE_VERSION, "kind": kind, "nonce": nonce, "tag_alg": default_tag_alg(),
+                "tags": json.dumps(tags), **meta}  # fmt: skip
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, buf in zip(names, buffers, strict=True):
+        t = tensors[name]
+        header[name] = {
+            "dtype": _ST_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + buf.nbytes],
+        }
+        offset += buf.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header with spaces to 8-byte alignment
+    assert raw.startswith(_MAC_PREFIX)
+    mac = auth.mac_hex("object", key, raw).encode()
+    raw = _MAC_PREFIX + mac + raw[len(_MAC_PREFIX) + MAC_HEX :]
+    return [memoryview(struct.pack("<Q", len(raw)) + raw), *buffers]
 
 
-def read_payload_shard(store: ObjectStore, key: str, header: Header, plan: ShardPlan, shard: int) -> torch.Tensor:
-    """Range-read shard ``shard`` of a payload object, verify its CRC and decode it to fp32."""
-    _check_layout(header, plan, key, 0, plan.units)
-    try:
-        crcs = json.loads(header.metadata["crc"])
-        want_crc = int(crcs[shard])
-    except (KeyError, ValueError, IndexError, TypeError) as exc:
-        raise CorruptObjectError(f"{key}: missing or malformed per-shard CRC list") from exc
-    a, b = plan.bounds[shard], plan.bounds[shard + 1]
-    parts: dict[str, torch.Tensor] = {}
-    crc = 0
+@dataclass(frozen=True)
+class Header:
+    """An authenticated, parsed object header: absolute byte ranges of each tensor, and the metadata.
+
+    ``head`` holds the first bytes already read (the header, and all of a small object).
+    """
+
+    key: str
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]
+    metadata: dict[str, str]
+    data_start: int
+    size: int
+    head: bytes
+
+    def meta(self, name: str) -> str:
+        value = self.metadata.get(name)
+        if value is None:
+            raise CorruptObjectError(f"{self.key}: metadata has no {name!r}")
+        return value
+
+    def tags(self, count: int) -> list[str]:
+        try:
+            tags = json.loads(self.meta("tags"))
+        except (ValueError, RecursionError):
+            tags = None
+        if not isinstance(tags, list) or len(tags) != count or not all(isinstance(t, str) for t in tags):
+            raise CorruptObjectError(f"{self.key}: metadata 'tags' must be a list of {count} tags")
+        return tags
+
+    def expect(self, kind: str, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], **meta: str) -> None:
+        """Raise `CorruptObjectError` unless the object is of ``kind`` with exactly these tensors and metadata."""
+        got = {name: (dtype, shape) for name, (dtype, shape, _, _) in self.tensors.items()}
+        wrong = {k: self.metadata.get(k) for k, v in meta.items() if self.metadata.get(k) != v}
+        if self.metadata.get("kind") != kind or got != shapes or wrong:
+            raise CorruptObjectError(
+                f"{self.key}: a {self.metadata.get('kind')!r} object with tensors {got} and metadata {wrong} does not "
+                f"match the round's {kind} {shapes} {meta}"
+            )
+
+
+def _parse_header(blob: bytes, key: str, auth: Authenticator) -> Header | int:
+    """Header from the first bytes of an object, or the number of bytes needed when ``blob`` is too short."""
+    if len(blob) < 8:
+        raise CorruptObjectError(f"{key}: object of {len(blob)} bytes is shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", blob[:8])
+    if not len(_MAC_PREFIX) + MAC_HEX <= n <= _MAX_HEADER:
+        raise CorruptObjectError(f"{key}: implausible safetensors header length {n}")
+    if len(blob) < 8 + n:
+        return 8 + n
+    raw = blob[8 : 8 + n]
+    if not raw.startswith(_MAC_PREFIX):
+        raise CorruptObjectError(f"{key}: header does not start with the crf-diloco MAC")
+    mac = raw[len(_MAC_PREFIX) : len(_MAC_PREFIX) + MAC_HEX]
+    auth.check_mac("object", key, mac, _MAC_PREFIX + b"0" * MAC_HEX + raw[len(_MAC_PREFIX) + MAC_HEX :])
+    obj = parse_json_object(raw, key)
+    metadata = obj.pop("__metadata__", None)
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptObjectError(f"{key}: safetensors metadata must be an object of strings")
+    if metadata.get("crf_diloco") != WIRE_VERSION:
+        raise CorruptObjectError(f"{key}: not a crf-diloco wire v{WIRE_VERSION} object")
+    entries = []
+    for name, info in obj.items():
+        entries.append((name, *_parse_entry(name, info, key)))
+    entries.sort(key=lambda e: e[3])
+    offset = 0
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    for name, dtype, shape, start, end in entries:
+        if start != offset:
+            raise CorruptObjectError(f"{key}: tensor {name!r} data does not follow the previous one (gap or overlap)")
+        tensors[name] = (dtype, shape, 8 + n + start, 8 + n + end)
+        offset = end
+    return Header(key, tensors, metadata, 8 + n, 8 + n + offset, bytes(blob))
+
+
+def _parse_entry(name: str, info: Any, key: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    bad = CorruptObjectError(f"{key}: malformed entry for tensor {name!r}: {info!r:.200}")
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise bad
+    dtype = ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    shape, offsets = info["shape"], info["data_offsets"]
+    ints = [*shape, *offsets] if isinstance(shape, list) and isinstance(offsets, list) else None
+    if dtype is None or ints is None or len(offsets) != 2 or len(shape) > 8:
+        raise bad
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 50 for v in ints):
+        raise bad
+    count = 1
+    for s in shape:
+        count *= s
+    start, end = offsets
+    if end - start != count * torch.empty((), dtype=dtype).element_size():
+        raise CorruptObjectError(f"{key}: tensor {name!r} spans {end - start} bytes, its shape {shape} needs another")
+    return dtype, tuple(shape), start, end
+
+
+def header_probe(n_items: int) -> int:
+    """Bytes to read for the header of an object with ``n_items`` content tags (it rarely needs more)."""
+    return 640 + 48 * n_items
+
+
+def read_header(store: ObjectStore, key: str, auth: Authenticator, probe: int = HEADER_PROBE) -> Header:
+    """Read, authenticate and parse an object's header with one (rarely two) ranged reads of ``probe`` bytes."""
+    blob = store.get_range(key, 0, probe)
+    parsed = _parse_header(blob, key, auth)
+    if isinstance(parsed, int):
+        if len(blob) < probe:
+            raise CorruptObjectError(f"{key}: truncated object ({len(blob)} bytes, its header needs {parsed})")
+        parsed = _parse_header(store.get_range(key, 0, parsed), key, auth)
+        if isinstance(parsed, int):
+            raise CorruptObjectError(f"{key}: truncated object (its header needs {parsed} bytes)")
+    return parsed
+
+
+def _read_range(store: ObjectStore, header: Header, start: int, dest: torch.Tensor) -> memoryview:
+    """Bytes ``[start, start + len(dest))`` of the object into ``dest`` (a uint8 tensor); short reads are corrupt."""
+    view = memoryview(cast("Buffer", dest.numpy())).cast("B") if dest.numel() else memoryview(bytearray())
+    known = max(0, min(len(header.head) - start, view.nbytes))  # bytes the header read already brought
+    view[:known] = header.head[start : start + known]
+    got = known
+    if known < view.nbytes:
+        got += store.read_into(header.key, start + known, view[known:])
+    if got != view.nbytes:
+        raise CorruptObjectError(f"{header.key}: truncated object (read {got} of {view.nbytes} bytes at {start})")
+    return view
+
+
+def _read_item(
+    store: ObjectStore,
+    header: Header,
+    auth: Authenticator,
+    units: tuple[int, int],
+    item: tuple[int, int],
+    scratch: Scratch,
+    into: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read units ``[a, b)`` of every tensor (into ``into[name]``'s bytes if given, else scratch) and verify that
+    they are item ``index`` of ``count`` (``item = (index, count)``) under the object's content tags."""
+    a, b = units
+    index, count = item
+    views, parts = [], {}
     for name in sorted(header.tensors):
-        dtype, shape, start, _end = header.tensors[name]
-        row_bytes = torch.empty((), dtype=dtype).element_size()
+        dtype, shape, start, _ = header.tensors[name]
+        row = torch.empty((), dtype=dtype).element_size()
         for s in shape[1:]:
-            row_bytes *= s
-        buf = store.view(key, start + a * row_bytes, start + b * row_bytes)
-        if len(buf) != (b - a) * row_bytes:
-            raise CorruptObjectError(f"{key}: short read for {name} (got {len(buf)} of {(b - a) * row_bytes} bytes)")
-        crc = zlib.crc32(buf, crc)
-        parts[name] = _frombuffer(buf, dtype, (b - a, *shape[1:]))
-    if crc != want_crc:
-        raise CorruptObjectError(f"{key}: CRC-32 mismatch on shard {shard} (got {crc:#010x}, want {want_crc:#010x})")
+            row *= s
+        dest = into[name].view(torch.uint8).reshape(-1) if into is not None and name in into else None
+        if dest is None:
+            dest = scratch.get(name, (b - a) * row)
+        views.append(_read_range(store, header, start + a * row, dest))
+        parts[name] = dest.view(dtype).view((b - a, *shape[1:]))
+    want = header.tags(count)[index]
+    auth.check_tag(header.key, header.meta("nonce"), index, views, want, header.meta("tag_alg"), f"item {index}")
+    return parts
+
+
+# -- payloads and reduced shards ----------------------------------------------------------------------
+def encode_payload(key: str, auth: Authenticator, flat: torch.Tensor, plan: ShardPlan, meta: dict[str, str]) -> Blob:
+    """A participant's whole payload, with one content tag per shard of ``plan``."""
+    if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() != plan.numel:
+        raise ValueError(f"payload must be a flat fp32 tensor of {plan.numel} elements")
+    items = [(plan.bounds[k], plan.bounds[k + 1]) for k in range(plan.n_shards)]
+    meta = {"codec": plan.codec, "numel": str(plan.numel), **meta}
+    return encode_object(key, auth, "payload", _encode_units(flat, plan.codec), meta, items)
+
+
+def read_payload_shard(
+    store: ObjectStore,
+    header: Header,
+    auth: Authenticator,
+    plan: ShardPlan,
+    shard: int,
+    scratch: Scratch,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Range-read shard ``shard`` of a payload (whose header was checked against ``plan``), verify its tag and
+    decode it: the shard's values (fp32, or bf16 for that codec), valid until ``scratch`` is reused. With the fp32
+    codec and a contiguous fp32 ``out``, the bytes are read straight into ``out`` (garbage there if this raises)."""
+    a, b = plan.bounds[shard], plan.bounds[shard + 1]
+    into = {"x": out} if out is not None and plan.codec == "fp32" else None
+    parts = _read_item(store, header, auth, (a, b), (shard, plan.n_shards), scratch, into)
     lo, hi = plan.elem_range(shard)
     return _decode_units(parts, plan.codec, hi - lo)
 
 
+def check_payload_header(header: Header, plan: ShardPlan, **meta: str) -> None:
+    """Raise `CorruptObjectError` unless ``header`` is a payload of exactly ``plan``'s layout and ``meta``."""
+    header.expect("payload", plan.shapes(0, plan.units), codec=plan.codec, numel=str(plan.numel), **meta)
+
+
 def encode_reduced(
-    values: torch.Tensor, plan: ShardPlan, shard: int, meta: dict[str, str]
+    key: str, auth: Authenticator, values: torch.Tensor, plan: ShardPlan, shard: int, meta: dict[str, str]
 ) -> tuple[Blob, torch.Tensor]:
     """Encode a reduced fp32 shard; also return its decoded values (what every reader will get)."""
     lo, hi = plan.elem_range(shard)
     if values.dtype != torch.float32 or values.numel() != hi - lo:
         raise ValueError(f"reduced shard {shard} must be fp32 with {hi - lo} elements")
     tensors = _encode_units(values, plan.codec)
-    rows = plan.bounds[shard + 1] - plan.bounds[shard]
-    crc = _crc(tensors, 0, rows)
-    blob = _safetensors_blob(tensors, {**_meta(meta, plan), "shard": str(shard), "crc": json.dumps([crc])})
+    meta = {"codec": plan.codec, "numel": str(plan.numel), "shard": str(shard), **meta}
+    blob = encode_object(key, auth, "reduced", tensors, meta)
     return blob, _decode_units(tensors, plan.codec, hi - lo)
 
 
-def decode_reduced(
-    blob: bytes | memoryview, plan: ShardPlan, shard: int, key: str, token: str
-) -> tuple[torch.Tensor, Header]:
-    """Verify (layout, token, CRC) and decode a reduced shard object to fp32."""
-    parsed = _parse_header(blob, key)
-    if isinstance(parsed, int):
-        raise CorruptObjectError(f"{key}: truncated object ({len(blob)} bytes, header needs {parsed})")
+def read_reduced(
+    store: ObjectStore,
+    key: str,
+    auth: Authenticator,
+    plan: ShardPlan,
+    shard: int,
+    out: torch.Tensor,
+    scratch: Scratch,
+    **meta: str,
+) -> None:
+    """Read a reduced shard object, check it (layout, ``meta``, tag) and write its fp32 values into ``out``.
+
+    For the fp32 codec the bytes land in ``out`` directly (one copy); ``out`` holds garbage if this raises.
+    """
+    header = read_header(store, key, auth, header_probe(len(plan.bounds)))
     a, b = plan.bounds[shard], plan.bounds[shard + 1]
-    _check_layout(parsed, plan, key, a, b)
-    if parsed.metadata.get("token") != token or parsed.metadata.get("shard") != str(shard):
-        raise CorruptObjectError(f"{key}: belongs to another round or shard (metadata {parsed.metadata!r})")
-    crc = 0
-    parts: dict[str, torch.Tensor] = {}
-    view = memoryview(blob)
-    for name in sorted(parsed.tensors):
-        dtype, shape, start, end = parsed.tensors[name]
-        if end > len(blob):
-            raise CorruptObjectError(f"{key}: truncated object")
-        buf = view[start:end]
-        crc = zlib.crc32(buf, crc)
-        parts[name] = _frombuffer(buf, dtype, shape)
-    try:
-        want = int(json.loads(parsed.metadata["crc"])[0])
-    except (KeyError, ValueError, IndexError, TypeError) as exc:
-        raise CorruptObjectError(f"{key}: missing or malformed CRC") from exc
-    if crc != want:
-        raise CorruptObjectError(f"{key}: CRC-32 mismatch (got {crc:#010x}, want {want:#010x})")
+    header.expect("reduced", plan.shapes(a, b), codec=plan.codec, numel=str(plan.numel), shard=str(shard), **meta)
     lo, hi = plan.elem_range(shard)
-    return _decode_units(parts, plan.codec, hi - lo), parsed
+    if out.dtype != torch.float32 or out.numel() != hi - lo or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {hi - lo} elements")
+    into = {"x": out} if plan.codec == "fp32" else None
+    parts = _read_item(store, header, auth, (0, b - a), (0, 1), scratch, into)
+    if into is None:
+        out.copy_(_decode_units(parts, plan.codec, hi - lo))
+
+
+def decode_object(blob: bytes, key: str, auth: Authenticator, kind: str) -> tuple[Header, dict[str, torch.Tensor]]:
+    """Authenticate and decode a whole object held in memory; tensors are copies (writable)."""
+    parsed = _parse_header(blob, key, auth)
+    if isinstance(parsed, int) or parsed.size != len(blob):
+        raise CorruptObjectError(f"{key}: object of {len(blob)} bytes is truncated or has trailing bytes")
+    if parsed.metadata.get("kind") != kind:
+        raise CorruptObjectError(f"{key}: a {parsed.metadata.get('kind')!r} object where a {kind!r} one belongs")
+    views = [memoryview(blob)[s:e] for _, (_, _, s, e) in sorted(parsed.tensors.items())]
+    want = parsed.tags(1)[0]
+    auth.check_tag(key, parsed.meta("nonce"), 0, views, want, parsed.meta("tag_alg"), "content")
+    tensors = {
+        name: _frombuffer(view, dtype, shape).clone()
+        for view, (name, (dtype, shape, _, _)) in zip(views, sorted(parsed.tensors.items()), strict=True)
+    }
+    return parsed, tensors

@@ -5,7 +5,8 @@ Each round reduces two tensors (a flat one and a 2-D one, drawn from a rank- and
 replica saves what it sent and what it got back, so the test can recompute the mean independently::
 
     OUT/rank{r}.safetensors   in{k}_flat, in{k}_mat, out{k}_flat, out{k}_mat   for every round k
-    OUT/rank{r}.json          {"round_ids": [round_id before each call...], "final_round_id": ..., bytes counters}
+    OUT/rank{r}.json          {"round_ids": [round_id before each call...], "final_round_id": ..., bytes counters,
+                               "authenticated": whether CRF_DILOCO_SECRET keyed its objects}
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
         "final_round_id": allreduce.round_id,
         "bytes_read": allreduce.bytes_read,
         "bytes_written": allreduce.bytes_written,
+        "authenticated": allreduce.auth.authenticated,
     }
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -22,7 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
 
+from crf_diloco.auth import launch_secret
 from crf_diloco.layout import validate_name
+from crf_diloco.replica_env import ENV_SECRET
 
 OutputCallback = Callable[[int, str, str], None]
 """``on_output(rank, stream, line)``: called once per output line of a replica; ``stream`` is ``"stdout"`` or
@@ -123,7 +125,12 @@ def run_replicas(
     on_output: OutputCallback | None = None,
     timeout: float | None = None,
 ) -> list[ReplicaResult]:
-    """Launch, collect, and terminate the replicas if anything (Ctrl-C included) interrupts the wait."""
+    """Launch, collect, and terminate the replicas if anything (Ctrl-C included) interrupts the wait.
+
+    The replicas get the run's secret as ``CRF_DILOCO_SECRET`` (`launch_secret`: from ``env``, else this process's
+    environment, else a fresh one), so every object they write is authenticated.
+    """
+    env = {**(env or {}), ENV_SECRET: launch_secret(env)}
     handles = executor.launch_replicas(
         command, world_size=world_size, uri=uri, run_id=run_id, env=env, on_output=on_output
     )

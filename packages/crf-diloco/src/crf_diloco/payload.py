@@ -1,0 +1,77 @@
+"""The tensors of one round as a flat fp32 payload: validation, flattening, write-back, finiteness."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from crf_diloco.wire import CODECS, Scratch
+
+__all__ = ["SUPPORTED_DTYPES", "as_tensor_list", "codec_of", "count_nonfinite", "flatten", "write_back"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as a non-empty list of fp32/fp16/bf16 tensors with at least one element in all."""
+    tensor_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not tensor_list:
+        raise ValueError("allreduce needs at least one tensor")
+    for i, t in enumerate(tensor_list):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"tensors[{i}] has dtype {t.dtype}; ObjectStoreAllReduce reduces float32, float16 and "
+                "bfloat16 tensors (cast others first)"
+            )
+    if sum(t.numel() for t in tensor_list) == 0:
+        raise ValueError("allreduce needs at least one element across its tensors")
+    return tensor_list
+
+
+def codec_of(compression: str | None) -> str:
+    """The wire codec of a ``compression`` argument (``None`` → ``"fp32"``)."""
+    codec = "fp32" if compression is None else compression
+    if codec not in CODECS or (codec == "fp32" and compression is not None):
+        raise ValueError(f"compression must be None, 'bf16' or 'int8', got {compression!r}")
+    return codec
+
+
+def flatten(tensors: list[torch.Tensor], scratch: Scratch) -> torch.Tensor:
+    """The round's flat fp32 payload: a view of the input for one contiguous fp32 CPU tensor, else a copy into a
+    reused staging buffer."""
+    only = tensors[0]
+    if len(tensors) == 1 and only.dtype == torch.float32 and only.is_contiguous() and only.device.type == "cpu":
+        return only.detach().view(-1)
+    total = sum(t.numel() for t in tensors)
+    flat = scratch.get("payload", 4 * total).view(torch.float32)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        flat[offset : offset + n].view(t.shape).copy_(t.detach())
+        offset += n
+    return flat
+
+
+def write_back(tensors: list[torch.Tensor], result: torch.Tensor) -> None:
+    """Copy the flat fp32 ``result`` into ``tensors`` in order, casting to their dtype and device."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            src = result[offset : offset + n]
+            if t.is_contiguous():
+                t.view(-1).copy_(src)
+            else:
+                t.copy_(src.view(t.shape))
+            offset += n
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """Number of NaN/±inf values of ``x``: one summing pass when there are none (a non-finite element makes the sum
+    non-finite), an exact count otherwise (the sum of finite values can also overflow)."""
+    if x.numel() == 0 or bool(torch.isfinite(x.sum())):
+        return 0
+    return int((~torch.isfinite(x)).sum())

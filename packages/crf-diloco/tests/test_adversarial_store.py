@@ -1,0 +1,422 @@
+"""A store nobody can poison: attacks on the objects of a round, and what every replica must do about them.
+
+An attacker can write the store (pre-create any key, plant garbage or forgeries, serve truncated reads) but does not
+know the run's secret; in the checksum-only mode (no secret) it can compute valid MACs, which exercises the parser on
+malformed headers. For every attack, every replica must end round 0 with an `AllReduceError` (or the commit of the
+honest result, when the forgery can simply be ignored) within its deadline, with its tensors unchanged on abort; all
+replicas reach the same outcome (one decision object) and bit-identical tensors; nothing forged is adopted; and the
+next round commits the honest mean. Forged state at heal time and overwriting stores are covered at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from crf_diloco import AllReduceError, CorruptObjectError, MockManager, ObjectStoreAllReduce, RoundAbortedError
+from crf_diloco.auth import Authenticator
+from crf_diloco.checkpoint import dumps_state
+from crf_diloco.layout import RoundKeys, state_key
+from crf_diloco.records import DecisionRecord, MemberRecord, PayloadSpec, QuorumRecord, VoteRecord
+from crf_diloco.store import ObjectStore
+from crf_diloco.wire import ShardPlan, encode_payload, encode_reduced
+
+SECRET = "0123456789abcdef" * 4
+WRONG = Authenticator("f" * 64, "default")  # an attacker's guess at the secret
+WORLD = 3
+N = 600
+TIMEOUT = 4.0
+KEYS = RoundKeys(0)
+RunReplicas = Callable[..., list[Any]]
+
+
+def _x(rank: int, round_id: int) -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(97 * rank + round_id))
+
+
+def _honest_mean(round_id: int) -> torch.Tensor:
+    return sum(_x(r, round_id).double() for r in range(WORLD)) / WORLD  # type: ignore[return-value]
+
+
+@dataclass
+class Ending:
+    outcome: str  # "commit" or "abort"
+    tensor: torch.Tensor
+    reason: str
+    elapsed: float
+    next_round: torch.Tensor
+
+
+def _play(
+    uri: str,
+    run_replicas: RunReplicas,
+    *,
+    secret: str | None = SECRET,
+    inputs: Callable[[int], torch.Tensor] = lambda r: _x(r, 0),
+    defer: bool = False,
+    unchecked_rank: int | None = None,
+) -> list[Ending]:
+    """Round 0 (attacked) then round 1 (clean) on every replica; round 0's containment is asserted here."""
+
+    def replica(rank: int) -> Ending:
+        ar = ObjectStoreAllReduce(
+            uri, rank, WORLD, secret=secret, timeout=TIMEOUT, quorum_timeout=TIMEOUT, poll_interval=0.01
+        )
+        if rank == unchecked_rank:
+            ar._veto_for = lambda flat: None  # type: ignore[method-assign]  # a replica that skips its own check
+        ar.join(0)
+        t = inputs(rank)
+        before = t.clone()
+        start = time.monotonic()
+        try:
+            ar.allreduce(t, defer_decision=defer)
+            outcome, reason = ("commit" if not defer or ar.vote(True) else "abort"), ""
+            if defer and outcome == "abort":
+                assert ar.last_round is not None
+                reason = ar.last_round.reason
+        except AllReduceError as exc:
+            outcome, reason = "abort", str(exc)
+            if isinstance(exc.__cause__, CorruptObjectError):  # the malformed object this replica found itself
+                reason += f" [cause: {exc.__cause__}]"
+            assert torch.equal(t.view(torch.int32), before.view(torch.int32)), (
+                "a failed round leaves the inputs unchanged"
+            )
+        elapsed = time.monotonic() - start
+        ar.timeout = ar.quorum_timeout = 30.0
+        nxt = _x(rank, 1)
+        ar.allreduce(nxt)
+        return Ending(outcome, t, reason, elapsed, nxt)
+
+    endings = run_replicas(replica, WORLD, timeout=120)
+    outcomes = {e.outcome for e in endings}
+    assert len(outcomes) == 1, f"replicas disagree on round 0: {[(e.outcome, e.reason) for e in endings]}"
+    for e in endings:
+        assert e.elapsed < TIMEOUT + 10, f"round 0 took {e.elapsed:.1f}s, past its deadline"
+        if e.outcome == "commit":
+            assert torch.equal(e.tensor, endings[0].tensor), "replicas are bit-identical"
+        assert torch.equal(e.next_round, endings[0].next_round)
+        torch.testing.assert_close(e.next_round.double(), _honest_mean(1), rtol=1e-6, atol=1e-6)
+    if outcomes == {"commit"} and not defer:
+        torch.testing.assert_close(endings[0].tensor.double(), _honest_mean(0), rtol=1e-6, atol=1e-6)
+    return endings
+
+
+def _aborted(endings: list[Ending], *needles: str) -> None:
+    for e in endings:
+        assert e.outcome == "abort"
+    reasons = " | ".join(e.reason for e in endings)
+    for needle in needles:
+        assert needle in reasons, f"{needle!r} not in {reasons!r}"
+
+
+def _attacker(uri: str) -> ObjectStore:
+    return ObjectStore(f"{uri}/default")
+
+
+# -- malformed headers (checksum-only mode: the attacker computes valid MACs, so the parser is what stands) -------
+_PREFIX = b'{"__metadata__":{"mac":"'
+
+
+def _object(key: str, rest: bytes, data: bytes = b"", auth: Authenticator | None = None) -> bytes:
+    """A tensor object whose header is ``_PREFIX + mac + rest``, MAC'd for ``key`` (by default with no secret)."""
+    auth = auth or Authenticator(None, "default")
+    raw = _PREFIX + b"0" * 64 + rest
+    raw += b" " * (-len(raw) % 8)
+    mac = auth.mac_hex("object", key, raw).encode()
+    raw = _PREFIX + mac + raw[len(_PREFIX) + 64 :]
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+_META = b'","crf_diloco":"2","kind":"payload","nonce":"00","tag_alg":"poly1305","tags":"[]"'
+_X10 = b'"x":{"dtype":"F32","shape":[10],"data_offsets":[0,40]}'
+_TAGS_NOT_A_LIST = _META.replace(b'"[]"', b'"5"') + b',"codec":"fp32","numel":"600"},' + _X10 + b"}"
+_WRONG_LAYOUT = _META + b',"codec":"fp32","numel":"10","token":"t"},' + _X10 + b"}"
+_F32 = b'},"x":{"dtype":"F32","shape":'
+MALFORMED_HEADERS: dict[str, Callable[[str], bytes]] = {
+    "empty object": lambda k: b"",
+    "shorter than the length prefix": lambda k: b"\x05\x00\x00",
+    "header length 2**63": lambda k: struct.pack("<Q", 2**63) + b"{}",
+    "header length past the object": lambda k: struct.pack("<Q", 5000) + _PREFIX + b"0" * 64,
+    "plain safetensors without a MAC": lambda k: struct.pack("<Q", 16) + b'{"x":{"dtype":1}',
+    "header is not JSON": lambda k: _object(k, b'",garbage}}}'),
+    "header nested 100k deep": lambda k: _object(k, b'","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"),
+    "metadata values not strings": lambda k: _object(k, b'","crf_diloco":2}}'),
+    "tensor entry not an object": lambda k: _object(k, _META + b'},"x":5}'),
+    "shape is a string": lambda k: _object(k, _META + _F32 + b'"10","data_offsets":[0,40]}}'),
+    "negative data offsets": lambda k: _object(k, _META + _F32 + b'[10],"data_offsets":[-40,0]}}'),
+    "unknown dtype": lambda k: _object(k, _META + b'},"x":{"dtype":"F128","shape":[10],"data_offsets":[0,160]}}'),
+    "offsets disagree with the shape": lambda k: _object(k, _META + _F32 + b'[10],"data_offsets":[0,8]}}'),
+    "overlapping tensors": lambda k: _object(k, _META + b"}," + _X10 + b',"y":' + _X10[4:] + b"}", bytes(40)),
+    "invalid UTF-8": lambda k: _object(k, b'","crf_diloco":"\xff\xfe"}}'),
+    "another wire version": lambda k: _object(k, b'","crf_diloco":"1"},' + _X10 + b"}", bytes(40)),
+    "tags not a list": lambda k: _object(k, _TAGS_NOT_A_LIST, bytes(40)),
+    "wrong layout for the round": lambda k: _object(k, _WRONG_LAYOUT, bytes(40)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(MALFORMED_HEADERS))
+def test_malformed_payload_header_aborts_the_round_on_every_replica(
+    variant: str, memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    key = KEYS.data(1)
+    _attacker(memory_uri).put_create(key, MALFORMED_HEADERS[variant](key))
+    endings = _play(memory_uri, run_replicas, secret=None)
+    _aborted(endings, key)
+
+
+@pytest.mark.parametrize("variant", ["header is not JSON", "header nested 100k deep", "tags not a list"])
+def test_malformed_headers_fail_authentication_first_with_a_secret(
+    variant: str, memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    key = KEYS.data(1)
+    _attacker(memory_uri).put_create(key, MALFORMED_HEADERS[variant](key))
+    _aborted(_play(memory_uri, run_replicas), key, "failed authentication")
+
+
+# -- forged and replayed tensor objects --------------------------------------------------------------------------
+def _payload_blob(key: str, auth: Authenticator, value: float = 1e6) -> bytes:
+    plan = ShardPlan.build(N, "fp32", WORLD)
+    return b"".join(encode_payload(key, auth, torch.full((N,), value), plan, {"token": "t", "rank": "1"}))
+
+
+@pytest.mark.parametrize(
+    ("name", "blob"),
+    [
+        ("forged with a guessed secret", lambda: _payload_blob(KEYS.data(1), WRONG)),
+        ("replayed from another key", lambda: _payload_blob(RoundKeys(7).data(1), Authenticator(SECRET, "default"))),
+        ("replayed from another run", lambda: _payload_blob(KEYS.data(1), Authenticator(SECRET, "other-run"))),
+    ],
+)
+def test_forged_payload_is_never_adopted(
+    name: str, blob: Callable[[], bytes], memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    _attacker(memory_uri).put_create(KEYS.data(1), blob())
+    endings = _play(memory_uri, run_replicas)
+    _aborted(endings, KEYS.data(1), "failed authentication", "[cause: r00000000/data/1.safetensors: failed")
+    assert all(float(e.tensor.abs().max()) < 1e5 for e in endings), "forged values reached a tensor"
+
+
+def test_forged_reduced_shard_is_never_adopted(memory_uri: str, run_replicas: RunReplicas) -> None:
+    plan = ShardPlan.build(N, "fp32", WORLD)
+    blob, _ = encode_reduced(KEYS.reduced(1), WRONG, torch.full((N // 3,), 1e6), plan, 1, {"token": "t"})
+    _attacker(memory_uri).put_create(KEYS.reduced(1), b"".join(blob))
+    endings = _play(memory_uri, run_replicas)
+    _aborted(endings, KEYS.reduced(1))
+    assert all(float(e.tensor.abs().max()) < 1e5 for e in endings)
+
+
+def test_truncated_reads_abort_the_round(faulty_store: Any, fault_rule: Any, run_replicas: RunReplicas) -> None:
+    rule = fault_rule("read", lambda p: "r00000000/data/1" in p, "truncate", count=10_000)
+    _aborted(_play("crffaulty://trunc", run_replicas), KEYS.data(1), "truncated")
+    assert rule["fired"] > 0
+
+
+# -- forged and garbage records -----------------------------------------------------------------------------------
+def _sealed(key: str, record: Any, auth: Authenticator = WRONG) -> bytes:
+    return auth.seal_record(key, json.dumps(record.to_json()).encode())
+
+
+SPEC = PayloadSpec(N, "fp32", "avg", None, False)
+TOKEN = "c" * 32
+RECORD_ATTACKS: dict[str, tuple[str, Callable[[], bytes]]] = {
+    "garbage decision": (KEYS.decision, lambda: b"\x00garbage\xff"),
+    "forged commit decision": (
+        KEYS.decision,
+        lambda: _sealed(KEYS.decision, DecisionRecord(0, "commit", "", 0, TOKEN)),
+    ),
+    "forged abort decision": (KEYS.decision, lambda: _sealed(KEYS.decision, DecisionRecord(0, "abort", "x", 0, None))),
+    "forged quorum": (
+        KEYS.quorum,
+        lambda: _sealed(KEYS.quorum, QuorumRecord(0, TOKEN, (0, 1), {0: "a" * 32, 1: "b" * 32}, SPEC, 0)),
+    ),
+    "forged member in a rank's slot": (
+        KEYS.member(1),
+        lambda: _sealed(KEYS.member(1), MemberRecord(1, "a" * 32, SPEC, False, None)),
+    ),
+    "garbage member in a rank's slot": (KEYS.member(2), lambda: b"{}"),
+    "sealed member claiming another rank": (
+        KEYS.member(1),
+        lambda: _sealed(KEYS.member(1), MemberRecord(0, "a" * 32, SPEC, False, None), Authenticator(SECRET, "default")),
+    ),
+    "a record 2 MB long": (KEYS.decision, lambda: b" " * (2 << 20)),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(RECORD_ATTACKS))
+def test_forged_or_garbage_records_abort_the_round(attack: str, memory_uri: str, run_replicas: RunReplicas) -> None:
+    key, blob = RECORD_ATTACKS[attack]
+    _attacker(memory_uri).put_create(key, blob())
+    endings = _play(memory_uri, run_replicas)
+    _aborted(endings, key)
+
+
+def test_forged_vote_aborts_the_vote(memory_uri: str, run_replicas: RunReplicas) -> None:
+    key = KEYS.vote(1)
+    _attacker(memory_uri).put_create(key, _sealed(key, VoteRecord(1, True, "", TOKEN, "a" * 32)))
+    _aborted(_play(memory_uri, run_replicas, defer=True), key)
+
+
+def test_junk_member_names_are_ignored(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """``members/1_0.json`` is not rank 10, ``-1`` is no rank, ``7`` is out of range: none is even read."""
+    store = _attacker(memory_uri)
+    for name in ["1_0.json", "-1.json", "7.json", "01.json", "+1.json", "x.json", "1.json.tmp"]:
+        store.put_create(f"{KEYS.members_dir}/{name}", b"\x00 not a record")
+    endings = _play(memory_uri, run_replicas)
+    assert [e.outcome for e in endings] == ["commit"] * WORLD
+
+
+# -- values -------------------------------------------------------------------------------------------------------
+def _poisoned(value: float) -> Callable[[int], torch.Tensor]:
+    def inputs(rank: int) -> torch.Tensor:
+        t = _x(rank, 0)
+        if rank == 1:
+            t[17] = value
+        return t
+
+    return inputs
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_contribution_vetoes_the_round_naming_its_rank(
+    value: float, memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    endings = _play(memory_uri, run_replicas, inputs=_poisoned(value))
+    _aborted(endings, "rank 1's contribution has 1 NaN/inf value(s)")
+
+
+def test_owners_check_what_they_reduce(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """Rank 1 skips its own check (an old or broken replica): the owner of the shard holding the NaN aborts the
+    round naming rank 1."""
+    endings = _play(memory_uri, run_replicas, inputs=_poisoned(float("nan")), unchecked_rank=1)
+    _aborted(endings, "rank 1 contributed 1 NaN/inf value(s) to shard 0")
+
+
+def test_fp32_overflow_of_the_reduction_aborts(memory_uri: str, run_replicas: RunReplicas) -> None:
+    endings = _play(memory_uri, run_replicas, inputs=lambda r: torch.full((N,), 3e38))
+    _aborted(endings, "overflows fp32")
+
+
+# -- healing: only authentic state, falling back past forgeries ---------------------------------------------------
+def test_forged_state_at_heal_time_falls_back_and_catches_up(memory_uri: str) -> None:
+    """The attacker plants a forged checkpoint for round 2 before it is written. Rank 1 restarts after round 1 and
+    heals: it refuses the forgery, loads round 1's authentic state, observes round 3 and heals from round 3's state;
+    from then on it is bit-identical with rank 0. The forged weights never reach it."""
+    forged_key = state_key(2)
+    forged = {"w": {"w": torch.full((4,), 1e6)}, "torchft": {"step": 3, "batches_committed": 6, "round": 2}}
+    _attacker(memory_uri).put_create(forged_key, b"".join(dumps_state(forged, forged_key, WRONG)))
+    loaded: list[torch.Tensor] = []
+    rank0_done_round2 = threading.Event()
+    rank1_healed = threading.Event()
+    finals: dict[int, torch.Tensor] = {}
+
+    def manager_for(rank: int, w: dict[str, torch.Tensor]) -> MockManager:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5)
+        manager = MockManager(ar, heal_timeout=20)
+
+        def load(state: dict[str, torch.Tensor]) -> None:
+            loaded.append(state["w"].clone()) if rank == 1 else None
+            w["w"] = state["w"].clone()
+
+        manager.register_state_dict_fn("w", load, lambda: {"w": w["w"].clone()})
+        return manager
+
+    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int) -> bool:
+        manager.start_quorum()
+        delta = torch.full((4,), float(rank + 1 + manager.current_step()))
+        assert manager.allreduce(delta).wait() in (True, False)
+        ok = manager.should_commit()
+        if ok:
+            w["w"] = w["w"] + delta
+        return ok
+
+    def rank0() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = manager_for(0, w)
+        for _ in range(3):  # rounds 0, 1 with rank 1; round 2 alone
+            assert sync(manager, w, 0)
+        rank0_done_round2.set()
+        assert rank1_healed.wait(60)
+        for _ in range(3):  # rounds 3, 4, 5
+            assert sync(manager, w, 0)
+        manager.shutdown()
+        finals[0] = w["w"]
+
+    def rank1() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = manager_for(1, w)
+        for _ in range(2):
+            assert sync(manager, w, 1)
+        assert rank0_done_round2.wait(60)  # then "crashes"
+        w = {"w": torch.full((4,), -7.0)}  # a restarted process: fresh weights, fresh manager
+        manager = manager_for(1, w)
+        manager.start_quorum()  # heals: the forged round-2 state is refused, round 1's is loaded
+        rank1_healed.set()
+        assert manager._stale
+        for _ in range(3):
+            sync(manager, w, 1)
+        finals[1] = w["w"]
+
+    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads)
+    assert len(loaded) >= 2, "rank 1 fell back to round 1's state, then healed from a later one"
+    assert all(float(t.abs().max()) < 1e5 for t in loaded), "the forged state was adopted"
+    assert torch.equal(finals[0], finals[1])
+
+
+def test_healing_with_only_forged_state_raises_heal_error(memory_uri: str) -> None:
+    from crf_diloco import HealError
+
+    def manager_for(rank: int) -> MockManager:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=10, quorum_timeout=0.3)
+        manager = MockManager(ar, heal_timeout=0.5)
+        manager.register_state_dict_fn("w", lambda s: None, lambda: {"w": torch.zeros(2)})
+        return manager
+
+    key = state_key(0)
+    _attacker(memory_uri).put_create(key, b"".join(dumps_state({"w": {}, "torchft": {}}, key, WRONG)))
+    first = manager_for(0)
+    first.start_quorum()
+    assert first.allreduce(torch.ones(2)).wait()
+    assert first.should_commit()  # round 0 commits (rank 1 never came); its state slot holds the forgery
+    first.shutdown()
+    with pytest.raises(HealError, match="no authentic committed state"):
+        manager_for(1).start_quorum()
+
+
+def test_nan_round_inside_mockmanager_votes_false_everywhere(memory_uri: str, run_replicas: RunReplicas) -> None:
+    def replica(rank: int) -> bool:
+        manager = MockManager(ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20))
+        manager.start_quorum()
+        t = torch.ones(5) if rank == 0 else torch.tensor([1.0, float("nan"), 1.0, 1.0, 1.0])
+        manager.allreduce(t).wait()
+        return manager.should_commit()
+
+    assert run_replicas(replica, 2) == [False, False]
+    decision = ObjectStoreAllReduce(memory_uri, 0, 2, secret=SECRET).read_decision(0)
+    assert decision is not None
+    assert "rank 1's contribution has 1 NaN/inf value(s)" in decision.reason
+
+
+def test_garbage_decision_reads_as_abort_not_as_an_exception(memory_uri: str) -> None:
+    ar = ObjectStoreAllReduce(memory_uri, 0, 2, secret=SECRET)
+    _attacker(memory_uri).put_create(RoundKeys(5).decision, b"[1, 2")
+    decision = ar.read_decision(5)
+    assert decision is not None
+    assert decision.outcome == "abort"
+    assert "r00000005/decision.json" in decision.reason
+    assert ar.latest_committed_round() is None
+    ar.join(5)
+    with pytest.raises(RoundAbortedError, match="corrupt or forged"):
+        ar.allreduce(torch.ones(3))
