@@ -76,7 +76,7 @@ def detect_format(row: Any) -> PairFormat:
     missing = [k for k in ("chosen", "rejected") if k not in row]
     if missing:
         raise RecordError(
-            f"row lacks {missing}: it is neither a crf-replaysim record nor a TRL preference row. "
+            f"record lacks {missing}: it is neither a crf-replaysim record nor a TRL preference row. "
             "Fix: give it prompt/chosen/rejected (TRL) or write it with crf-replaysim"
         )
     chosen = row["chosen"]

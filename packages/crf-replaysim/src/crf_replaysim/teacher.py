@@ -101,7 +101,7 @@ class TeacherHTTPError(TeacherError):
     def __init__(self, message: str, status: int, retryable: bool, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.retryable = retryable  # type: ignore[misc]  # per instance here
+        self.retryable = retryable
         self.retry_after_s = retry_after_s
 
 
