@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from crf_replaysim._synthetic import synthetic_dj_records
 from crf_replaysim.cli import main
 from crf_replaysim.jsonl import UnsafeOutputError
@@ -153,15 +154,18 @@ def test_normalize_skips_a_bad_line_and_keeps_every_good_one(tmp_path, capsys, c
     args = ["normalize", str(src), "-o", str(out), "--skip-dj", "--quiet", "--max-line-bytes", "65536"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert f"line 4: " in err and reason in err, err
+    assert "line 4: " in err, err
+    assert reason in err, err
     assert lines(out) == GOOD  # every good line, in order, byte for byte
     assert main([*args, "--strict"]) == 3
     items = list(read_pairs(src, max_line_bytes=65536))
     errors = [i for i in items if isinstance(i, RecordError)]
     if kind == "blank line":  # the pair reader skips blank lines
-        assert errors == [] and len(items) == len(GOOD)
+        assert errors == []
+        assert len(items) == len(GOOD)
     else:
-        assert [e.line for e in errors] == [4] and reason in errors[0].reason
+        assert [e.line for e in errors] == [4]
+        assert reason in errors[0].reason
         with pytest.raises(RecordError, match="line 4: "):
             list(read_pairs(src, strict=True, max_line_bytes=65536))
     contained()
@@ -171,7 +175,8 @@ def test_normalize_without_a_trailing_newline_and_with_a_bom(tmp_path, contained
     src = tmp_path / "p.jsonl"
     src.write_bytes(b"\xef\xbb\xbf" + "\n".join(GOOD).encode())
     summary = normalize_jsonl(src, tmp_path / "o.jsonl", skip_dj=True)
-    assert summary.malformed == [] and lines(tmp_path / "o.jsonl") == GOOD
+    assert summary.malformed == []
+    assert lines(tmp_path / "o.jsonl") == GOOD
     contained()
 
 
@@ -197,9 +202,11 @@ def test_replay_skips_a_bad_trace_and_replays_the_other_49(
     out = tmp_path / "pairs.jsonl"
     assert main(replay_cli(teacher_server, traces, out, "--max-line-bytes", "65536", "--concurrency", "4")) == 0
     err = capsys.readouterr().err
-    assert "malformed lines:  1" in err and "line 18: " in err
+    assert "malformed lines:  1" in err
+    assert "line 18: " in err
     pairs = [json.loads(line) for line in lines(out)]
-    assert len(pairs) == 49 * 2 and "t17" not in {p["trace_id"] for p in pairs}
+    assert len(pairs) == 49 * 2
+    assert "t17" not in {p["trace_id"] for p in pairs}
     contained()
 
 
@@ -232,7 +239,8 @@ def test_escaped_key_inside_a_completion_is_redacted_before_pairs_and_cache(
     client = TeacherClient("m", base_url=teacher_server.base_url, api_key_env=KEY_ENV, cache_dir=cache)
     replay_jsonl(jsonl_writer(tmp_path / "t.jsonl", [trace_factory("a")]), out, client=client)
     text = out.read_text() + "".join(p.read_text() for p in cache.rglob("*.json"))
-    assert "my key is Bearer <secret>" in text and api_key not in text
+    assert "my key is Bearer <secret>" in text
+    assert api_key not in text
     contained()
 
 
@@ -256,7 +264,8 @@ def test_url_userinfo_is_sent_as_basic_auth_and_never_shown(teacher_server, tmp_
         complete(client)
     assert teacher_server.requests[0]["headers"]["Authorization"].startswith("Basic ")
     for text in (repr(client), str(info.value), caplog.text, client.chat_url):
-        assert "s3cr3t-pw" not in text and "alice:" not in text
+        assert "s3cr3t-pw" not in text
+        assert "alice:" not in text
     assert "auth was: Basic <secret>" in str(info.value)
     contained()
 
@@ -272,7 +281,8 @@ def test_redirect_to_another_host_is_not_followed(
     with pytest.raises(TeacherHTTPError, match="does not follow redirects") as info:
         replay_jsonl(jsonl_writer(tmp_path / "t.jsonl", [trace_factory("a")]), out, client=client)
     assert other.requests == []  # the key never travelled to the other host
-    assert api_key not in str(info.value) and not out.exists()
+    assert api_key not in str(info.value)
+    assert not out.exists()
     contained()
 
 
@@ -358,8 +368,10 @@ def test_a_429_storm_fails_each_point_boundedly_and_the_run_finishes(
     assert main(replay_cli(teacher_server, traces, out, "--max-retries", "2", "--strict")) == 3
     assert time.monotonic() - start < 20
     err = capsys.readouterr().err
-    assert "failed points:    8" in err and "HTTP 429" in err
-    assert len(teacher_server.requests) == 8 * 3 and lines(out) == []  # 3 attempts per point, no more
+    assert "failed points:    8" in err
+    assert "HTTP 429" in err
+    assert len(teacher_server.requests) == 8 * 3
+    assert lines(out) == []
     contained()
 
 
@@ -374,7 +386,8 @@ def test_an_unwritable_cache_warns_once_and_keeps_the_paid_replies(
     traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 3))
     with caplog.at_level(logging.WARNING, logger="crf_replaysim.teacher"):
         summary = replay_jsonl(traces, tmp_path / "p.jsonl", client=make_client(cache_dir=blocker))
-    assert summary.pairs_written == 6 and summary.failed == []
+    assert summary.pairs_written == 6
+    assert summary.failed == []
     assert caplog.text.count("cannot write the response cache") == 1
     contained()
 
@@ -431,7 +444,8 @@ def test_ctrl_c_in_replay_keeps_the_old_output_and_resumes_without_paying_twice(
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=30)
     assert child.returncode == 130, err
-    assert "run the same command again to resume" in err and api_key not in err
+    assert "run the same command again to resume" in err
+    assert api_key not in err
     assert out.read_text() == "previous output\n"
     paid = len(list(cache.rglob("*.json")))  # replies received (and paid for) before the interrupt
     asked_before = len(teacher_server.requests)
@@ -444,7 +458,8 @@ def test_ctrl_c_in_replay_keeps_the_old_output_and_resumes_without_paying_twice(
     replay_jsonl(traces, reference, client=TeacherClient("org/teacher", base_url=teacher_server.base_url,
                                                          api_key_env=KEY_ENV, cache_dir=cache))  # fmt: skip
     assert out.read_bytes() == reference.read_bytes()
-    assert not partial.exists() and not journal.exists()
+    assert not partial.exists()
+    assert not journal.exists()
     contained()
 
 
@@ -462,16 +477,18 @@ def test_an_interrupted_replay_refuses_other_traces_and_restarts_on_request(
 
     with pytest.raises(KeyboardInterrupt):
         replay_jsonl(traces, out, client=make_client(), progress=interrupt)
-    assert not out.exists() and replay_state_paths(out)[1].exists()
+    assert not out.exists()
+    assert replay_state_paths(out)[1].exists()
     other = jsonl_writer(tmp_path / "other.jsonl", [trace_factory("x")])
-    with pytest.raises(ReplayStateError, match="traces_sha256.*--restart"):
+    with pytest.raises(ReplayStateError, match=r"traces_sha256.*--restart"):
         replay_jsonl(other, out, client=make_client())
     with pytest.raises(ReplayStateError, match="settings"):
         replay_jsonl(traces, out, client=make_client(temperature=0.5))
     resumed = replay_jsonl(traces, out, client=make_client())
     assert (resumed.resumed, resumed.pairs_written) == (3, 6)
     summary = replay_jsonl(other, out, client=make_client(), resume=False)
-    assert summary.pairs_written == 2 and summary.resumed == 0
+    assert summary.pairs_written == 2
+    assert summary.resumed == 0
     contained()
 
 
@@ -493,7 +510,8 @@ def test_a_kill_mid_write_is_repaired_on_resume(
     with open(journal, "ab") as fh:
         fh.write(b'{"line": 3, "tu')
     summary = replay_jsonl(traces, out, client=make_client())
-    assert summary.pairs_written == 6 and summary.resumed == 4
+    assert summary.pairs_written == 6
+    assert summary.resumed == 4
     assert [(p["trace_id"], p["turn"]) for p in map(json.loads, lines(out))] == [
         (f"t{i}", t) for i in range(3) for t in (1, 3)
     ]
@@ -514,7 +532,8 @@ def test_failed_points_are_retried_on_resume_and_land_in_input_order(
     with pytest.raises(KeyboardInterrupt):
         replay_jsonl(traces, out, client=make_client(max_concurrency=1), max_pending=1, progress=interrupt)
     summary = replay_jsonl(traces, out, client=make_client())
-    assert summary.failed == [] and summary.pairs_written == 6
+    assert summary.failed == []
+    assert summary.pairs_written == 6
     assert [(p["trace_id"], p["turn"]) for p in map(json.loads, lines(out))][:2] == [("t0", 1), ("t0", 3)]
     contained()
 
@@ -548,7 +567,8 @@ def test_concurrent_replays_sharing_a_cache_do_not_collide(
         _, err = run.communicate(timeout=60)
         assert run.returncode == 0, err
     outputs = {(tmp_path / f"p{i}.jsonl").read_bytes() for i in range(3)}
-    assert len(outputs) == 1 and len(outputs.pop().splitlines()) == 30
+    assert len(outputs) == 1
+    assert len(outputs.pop().splitlines()) == 30
     entries = list(cache.rglob("*"))
     assert not [p for p in entries if p.name.startswith(".")]  # no temporary file left behind
     assert all(json.loads(p.read_text())["response"] for p in entries if p.is_file())
