@@ -113,7 +113,7 @@ def test_extra_columns_go_to_meta_and_tools_are_kept():
                 "rejected": [],
             },
             "role",
-        ),  # fmt: skip
+        ),
         ({**STANDARD, "schema_version": "3.0"}, "newer"),
         ({**STANDARD, "tools": "{not json"}, "tools is a string but not JSON"),
     ],
@@ -131,7 +131,7 @@ def test_format_detection_and_one_format_per_input():
             [{"role": "assistant", "content": "b"}],
             "t",
             1,
-        )  # fmt: skip
+        )
     )
     assert [detect_format(r) for r in (record, STANDARD, CONVERSATIONAL)] == [
         "records",
@@ -177,7 +177,8 @@ def test_schema_versions_same_major_read_other_majors_refused(tmp_path):
     rows = [first, newer_minor, {**first, "schema_version": "2.0"}, {**first, "schema_version": "0.9"}]
     items = list(read_pairs(write(tmp_path / "p.jsonl", rows)))
     assert [type(i).__name__ for i in items] == ["LoadedPair", "LoadedPair", "RecordError", "RecordError"]
-    assert "upgrade crf-replaysim" in str(items[2]) and items[2].line == 3  # type: ignore[union-attr]
+    assert "upgrade crf-replaysim" in str(items[2])
+    assert items[2].line == 3
     assert "older than this crf-replaysim reads" in str(items[3])
     with pytest.raises(RecordError, match="unknown keys"):
         validate_dj_record({**first, "new_optional_field": 1})  # not tolerated at the current minor
@@ -188,7 +189,8 @@ def test_contract_fixtures_ship_in_the_wheel_and_read_the_same(fmt):
     path = importlib.resources.files("crf_replaysim").joinpath("data").joinpath(example_pairs_path(fmt).name)
     assert path.is_file()
     pairs, errors = load_pairs(example_pairs_path(fmt))
-    assert errors == [] and len(pairs) == 4
+    assert errors == []
+    assert len(pairs) == 4
     assert all(isinstance(p, LoadedPair) and p.format == fmt for p in pairs)
     assert [p.line for p in pairs] == [1, 2, 3, 4]
     assert [p.chat for p in pairs] == [fmt != "trl-standard"] * 4
