@@ -130,7 +130,8 @@ def test_replay_with_tools_end_to_end(server, traces, tmp_path, monkeypatch, cap
         assert pair.meta["teacher_reply_model"] == MODEL
         assert pair.meta["teacher_finish_reason"] == "tool_calls"
         usage = pair.meta["teacher_usage"]
-        assert usage["prompt_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["prompt_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert "teacher tokens:   prompt 0," not in err
     # the same command again is answered from the cache: no request reaches the server
     assert main(args) == 0
@@ -151,7 +152,8 @@ def test_plain_text_replies_and_the_python_api(server, monkeypatch):
     reply = asyncio.run(go())
     assert reply.message["role"] == "assistant"
     assert reply.message["content"].strip() or reply.message.get("tool_calls")
-    assert reply.usage is not None and reply.usage["completion_tokens"] <= 16
+    assert reply.usage is not None
+    assert reply.usage["completion_tokens"] <= 16
     assert reply.finish_reason in ("stop", "length", "tool_calls")
 
 
@@ -163,7 +165,8 @@ def test_null_content_is_a_real_server_error_reported_per_point(server, traces, 
     assert main(replay_args(server, traces, out, "--extra-body", FORCE_RUN_COMMAND, "--max-retries", "0")) == 0
     err = capsys.readouterr().err
     assert f"failed points:    {POINTS - len(TRACES)}" in err  # all but each trace's first decision
-    assert "HTTP 500" in err and "content" in err
+    assert "HTTP 500" in err
+    assert "content" in err
     assert {json.loads(line)["turn"] for line in out.read_text().splitlines()} <= {2}
 
 
@@ -172,14 +175,13 @@ def test_wrong_key_is_a_real_401_that_stops_the_run(server, traces, tmp_path, mo
     out = tmp_path / "pairs.jsonl"
     assert main(replay_args(server, traces, out, "--null-content", "empty")) == 1
     err = capsys.readouterr().err
-    assert "HTTP 401" in err and "Fix: check the key in $CRF_REPLAYSIM_SERVER_KEY" in err
+    assert "HTTP 401" in err
+    assert "Fix: check the key in $CRF_REPLAYSIM_SERVER_KEY" in err
     assert os.environ[KEY_ENV] not in err
     assert not out.exists()
 
 
-def test_a_context_longer_than_the_server_window_fails_only_its_point(
-    server, traces, tmp_path, monkeypatch, capsys
-):
+def test_a_context_longer_than_the_server_window_fails_only_its_point(server, traces, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(KEY_ENV, server["key"])
     long_trace = {
         "trace_id": "too-long",

@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +246,7 @@ def _validate(args: argparse.Namespace) -> int:
     return EXIT_STRICT if args.strict and malformed else EXIT_OK
 
 
-def _redactor(args: argparse.Namespace) -> Any:
+def _redactor(args: argparse.Namespace) -> Callable[[str], str]:
     """Last line of defence: the key's value out of anything the CLI prints (the library already redacts)."""
     name = getattr(args, "api_key_env", None)
     key = os.environ.get(name, "").strip() if isinstance(name, str) and name else ""

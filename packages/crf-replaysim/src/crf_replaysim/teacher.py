@@ -264,7 +264,7 @@ class TeacherClient:
             raise TeacherConfigError(f"base_url must start with http:// or https://, got {base_url!r}")
         try:
             split = split_credentials(base_url)
-        except Exception:  # httpx.InvalidURL and friends
+        except (httpx.InvalidURL, ValueError, TypeError):
             raise TeacherConfigError(
                 "base_url is not a valid URL. Fix: pass e.g. https://openrouter.ai/api/v1"
             ) from None
