@@ -258,7 +258,9 @@ class FormatReader:
         self.format: PairFormat | None = None
         self._first: str | None = None
 
-    def convert(self, row: Any, source_id: str) -> dict[str, Any]:
+    def convert(self, row: Any, source_id: str, *, decoded: bool = False) -> dict[str, Any]:
+        """The validated dj record of ``row`` (``decoded``: it came from ``iter_json_lines``, see
+        :func:`~crf_replaysim.records.validate_dj_record`)."""
         fmt = detect_format(row)
         allowed = {"records": ("records",), "trl": ("trl-standard", "trl-conversational")}.get(self.input_format)
         if allowed is not None and fmt not in allowed:
@@ -272,7 +274,7 @@ class FormatReader:
                 "format. Fix: split the file by format"
             )
         if fmt == "records":
-            validate_dj_record(row)
+            validate_dj_record(row, decoded=decoded)
             record: dict[str, Any] = row
         else:
             record = trl_row_to_dj_record(row, fmt, source_id=source_id)

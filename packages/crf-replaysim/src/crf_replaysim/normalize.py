@@ -191,7 +191,7 @@ def _read_rows(
             continue
         number, row = item
         try:
-            record = reader.convert(row, f"{path.name}:{number}")
+            record = reader.convert(row, f"{path.name}:{number}", decoded=True)
         except RecordError as err:
             summary.malformed.append((number, str(err)))
             continue

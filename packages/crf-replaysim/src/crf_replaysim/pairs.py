@@ -78,7 +78,7 @@ def read_pairs(
         else:
             number, row = item
             try:
-                record = reader.convert(row, f"{name}:{number}")
+                record = reader.convert(row, f"{name}:{number}", decoded=True)
                 assert reader.format is not None
                 yield LoadedPair(_dj_record_to_normalized_pair(record), number, reader.format)
                 continue

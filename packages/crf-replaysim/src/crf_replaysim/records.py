@@ -147,10 +147,13 @@ def check_schema_version(value: Any) -> bool:
     return minor > SCHEMA_MINOR
 
 
-def _check_fields(field_of: Callable[[str], Any], *, flat: bool) -> None:
+def _check_fields(field_of: Callable[[str], Any], *, flat: bool, decoded: bool = False) -> None:
     """Check a pair's fields, read through ``field_of(name)`` (``getattr`` on a pair, ``[]`` on a dj record).
 
     ``flat``: also require the flat strings ``prompt``/``chosen``/``rejected`` (normalised pairs, dj records).
+    ``decoded``: the values come from :func:`crf_replaysim.jsonl.iter_json_lines`, which already refused
+    everything ``_check_json`` looks for (non-finite numbers, lone surrogates, deep nesting; JSON has no
+    other types), so that walk is skipped.
     """
     check_schema_version(field_of("schema_version"))
     if flat:
@@ -168,14 +171,16 @@ def _check_fields(field_of: Callable[[str], Any], *, flat: bool) -> None:
             validate_messages(messages, name, min_items=1)
         except MessageError as err:
             raise RecordError(str(err)) from None
-        _check_json(messages, name)
+        if not decoded:
+            _check_json(messages, name)
     if not isinstance(trace_id, str) or not trace_id:
         raise RecordError(f"trace_id is {trace_id!r}. Fix: give every pair the non-empty id of its source trace")
     if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
         raise RecordError(f"turn is {turn!r}. Fix: use the index (int >= 0) of the decided message in its trace")
     if not isinstance(meta, dict):
         raise RecordError(f"meta is {type(meta).__name__}. Fix: use a dict (JSON object)")
-    _check_json(meta, "meta")
+    if not decoded:
+        _check_json(meta, "meta")
 
 
 @dataclass(frozen=True)
@@ -255,12 +260,13 @@ def _dpo_pair_to_dj_record(pair: DPOPair) -> dict[str, Any]:
     return pair.to_dj_record()
 
 
-def validate_dj_record(record: Any) -> None:
+def validate_dj_record(record: Any, *, decoded: bool = False) -> None:
     """Raise ``RecordError`` unless ``record`` is a dj record of a schema version this package reads (1.x).
 
     Same rules as ``schema/dpo_pair.schema.json``, without needing ``jsonschema`` at run time.
     Keys starting with ``__dj__`` (data-juicer's stats/hash columns) are tolerated, and so are the
-    keys a newer minor version added.
+    keys a newer minor version added. ``decoded=True``: ``record`` was read by
+    :func:`crf_replaysim.jsonl.iter_json_lines` (its JSON-safety checks are not repeated).
     """
     if not isinstance(record, dict):
         raise RecordError(f"a dj record is a dict (JSON object), got {type(record).__name__}")
@@ -273,7 +279,7 @@ def validate_dj_record(record: Any) -> None:
     unknown = sorted(k for k in record if k not in DJ_RECORD_KEYS and not str(k).startswith(_INTERNAL_PREFIX))
     if unknown and not newer:
         raise RecordError(f"record has unknown keys {unknown}. Fix: move extra information into 'meta'")
-    _check_fields(record.__getitem__, flat=True)
+    _check_fields(record.__getitem__, flat=True, decoded=decoded)
 
 
 def _dj_record_to_normalized_pair(record: dict[str, Any]) -> NormalizedDPOPair:
