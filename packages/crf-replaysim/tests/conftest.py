@@ -8,7 +8,13 @@ script entry is a dict with any of:
 - ``status`` (default 200), ``headers``;
 - ``json``: a body to send as JSON, or ``raw``: bytes sent as is, or ``message``: an assistant
   message wrapped in a chat-completions body; ``echo_auth``: put the Authorization header in
-  the body (a misbehaving server, for redaction tests).
+  the body (a misbehaving server, for redaction tests);
+- ``error_echo_auth`` / ``content_echo_auth``: a JSON error object / a completion quoting the
+  Authorization header (the latter \\u-escaped);
+- ``gzip``: send the body gzip-compressed (``Content-Encoding: gzip``);
+- ``drip``: seconds between bytes: the body (Content-Length announced) is sent one byte at a time;
+- ``endless``: stream chunks of ``endless`` bytes forever (chunked encoding), stopping by itself after
+  ``ENDLESS_LIMIT_S`` or when the client hangs up.
 
 The server records every request (path, headers, JSON body, arrival time) and the largest
 number of requests it was handling at once.
@@ -16,6 +22,7 @@ number of requests it was handling at once.
 
 from __future__ import annotations
 
+import gzip
 import json
 import secrets
 import threading
@@ -29,6 +36,7 @@ from typing import Any
 import pytest
 
 KEY_ENV = "CRF_REPLAYSIM_TEST_KEY"
+ENDLESS_LIMIT_S = 30.0  # a never-ending reply still ends, so a broken test cannot hang the run
 
 
 def completion_body(message: dict[str, Any], model: str = "scripted-teacher") -> dict[str, Any]:
@@ -130,21 +138,61 @@ class ScriptedTeacher:
                     payload = json.dumps(completion_body(entry["message"])).encode()
                 else:
                     payload = json.dumps({"error": {"message": f"scripted status {status}", "code": status}}).encode()
+                auth = self.headers.get("Authorization", "")
                 if entry.get("echo_auth"):
-                    payload += b" auth was: " + self.headers.get("Authorization", "").encode()
-                self._send(status, payload, entry.get("headers", {}))
+                    payload += b" auth was: " + auth.encode()
+                if entry.get("error_echo_auth"):  # HTTP 200 carrying an error that quotes the key
+                    payload = json.dumps({"error": {"message": f"invalid key {auth}"}}).encode()
+                if entry.get("content_echo_auth"):  # a completion whose text holds the key, \u-escaped
+                    escaped = "".join(f"\\u{ord(c):04x}" for c in auth)
+                    payload = json.dumps(completion_body({"role": "assistant", "content": "KEY"})).encode()
+                    payload = payload.replace(b"KEY", f"my key is {escaped}".encode())
+                headers = dict(entry.get("headers", {}))
+                if entry.get("gzip"):
+                    payload = gzip.compress(payload)
+                    headers["Content-Encoding"] = "gzip"
+                if entry.get("endless"):
+                    self._send_endless(status, int(entry["endless"]), headers)
+                else:
+                    self._send(status, payload, headers, drip=entry.get("drip"))
 
-            def _send(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
+            def _send(self, status: int, payload: bytes, headers: dict[str, str], drip: float | None = None) -> None:
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
+                    if "Content-Length" not in headers:
+                        self.send_header("Content-Length", str(len(payload)))
                     for k, v in headers.items():
                         self.send_header(k, v)
                     self.end_headers()
-                    self.wfile.write(payload)
+                    if drip is None:
+                        self.wfile.write(payload)
+                        return
+                    for i in range(len(payload)):
+                        if teacher.stopping.wait(drip):
+                            return
+                        self.wfile.write(payload[i : i + 1])
+                        self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout test)
+
+            def _send_endless(self, status: int, size: int, headers: dict[str, str]) -> None:
+                chunk = b"%x\r\n" % size + b" " * size + b"\r\n"
+                deadline = time.monotonic() + ENDLESS_LIMIT_S
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(b"1\r\n[\r\n")
+                    while time.monotonic() < deadline and not teacher.stopping.is_set():
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                        time.sleep(0.001)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
 
         return Handler
 
@@ -155,6 +203,20 @@ def teacher_server() -> Iterator[ScriptedTeacher]:
     try:
         yield server
     finally:
+        server.stop()
+
+
+@pytest.fixture
+def make_teacher_server() -> Iterator[Callable[[], ScriptedTeacher]]:
+    """Start more scripted servers (a second host for redirect tests); all stop at teardown."""
+    started: list[ScriptedTeacher] = []
+
+    def make() -> ScriptedTeacher:
+        started.append(ScriptedTeacher().start())
+        return started[-1]
+
+    yield make
+    for server in started:
         server.stop()
 
 
@@ -226,3 +288,26 @@ def minimal_trace(trace_id: str = "t-1") -> dict[str, Any]:
 @pytest.fixture
 def trace_factory() -> Callable[[str], dict[str, Any]]:
     return minimal_trace
+
+
+# --------------------------------------------------------------------------- adversarial tally
+
+_TALLY = {"tried": 0, "contained": 0}
+
+
+@pytest.fixture
+def contained() -> Iterator[Callable[[], None]]:
+    """For adversarial cases: counts the case as tried; the test calls ``contained()`` once its assertions
+    (attack contained, good data kept) have passed. The totals are printed at the end of the run."""
+    _TALLY["tried"] += 1
+    done: list[bool] = []
+    yield lambda: done.append(True)
+    _TALLY["contained"] += bool(done)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _TALLY["tried"]:
+        terminalreporter.write_line(
+            f"crf-replaysim adversarial suite: {_TALLY['tried']} attacks or bad inputs tried, "
+            f"{_TALLY['contained']} contained with the good data kept"
+        )

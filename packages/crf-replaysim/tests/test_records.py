@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -60,7 +61,9 @@ def test_schema_ships_inside_the_package_and_is_a_valid_schema():
     assert path.is_file()
     assert path.parent.parent == Path(crf_replaysim.__file__).parent
     jsonschema.Draft202012Validator.check_schema(load_schema())
-    assert load_schema()["properties"]["schema_version"] == {"const": SCHEMA_VERSION}
+    version = load_schema()["properties"]["schema_version"]
+    assert version == {"type": "string", "pattern": rf"^{SCHEMA_VERSION.split('.')[0]}\.[0-9]+$"}
+    assert re.fullmatch(version["pattern"].strip("^$"), SCHEMA_VERSION)
     assert set(load_schema()["required"]) == set(DJ_RECORD_KEYS)
 
 

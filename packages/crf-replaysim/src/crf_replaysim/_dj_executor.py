@@ -23,13 +23,11 @@ import json
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from crf_replaysim._normalize_shared import NormalizeSummary, map_message_text, message_texts, pair_text
 from crf_replaysim.ops import RecipeError
 from crf_replaysim.ops._recipe import FLAT_TEXT_FIELDS, PAIR_FIELD, Recipe, RecipeStep
-
-if TYPE_CHECKING:
-    from crf_replaysim.normalize import NormalizeSummary
 
 _ROW = "__crf_row__"
 _DJ_COLUMNS = ("__dj__stats__", "__dj__hash")
@@ -174,8 +172,6 @@ def _apply_dj_mapper(op: Any, texts: list[str]) -> list[str]:
 
 
 def _map_messages_with(op: Any, messages: list[Any]) -> list[Any]:
-    from crf_replaysim.normalize import map_message_text, message_texts
-
     rewritten = iter(_apply_dj_mapper(op, message_texts(messages)))
     return map_message_text(messages, lambda _text: next(rewritten))
 
@@ -213,8 +209,6 @@ def _execute(recipe: Recipe, records: Iterable[Mapping[str, Any]], stats: Normal
                     stats.dropped_per_op[label] = 0
                     continue
                 if uses_pair:
-                    from crf_replaysim.normalize import pair_text
-
                     for row in rows:
                         row[PAIR_FIELD] = pair_text(row)
                 dataset_path = Path(work) / f"pass{number}.jsonl"

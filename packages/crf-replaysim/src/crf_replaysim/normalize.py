@@ -12,6 +12,12 @@ flat strings (``prompt``, ``chosen``, ``rejected``, or the derived ``pair``):
 
 A mapper that rewrites a flat field also rewrites the text content of the matching ``*_messages`` list,
 so the chat shape (what becomes a ``NormalizedDPOPair``) carries the same cleaning.
+
+Input rows may be crf-replaysim records or TRL's standard or conversational preference rows
+(``input_format``, auto-detected by default; see :mod:`crf_replaysim.formats`); the output is records or
+TRL rows (``output_format``). :func:`normalize_jsonl` never loses data: every bad line is reported by
+number and skipped, the output is written to a temporary file renamed into place at the end, and an
+output that is the input file is refused before anything is opened.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
+from crf_replaysim._normalize_shared import NormalizeSummary, map_message_text, message_texts, pair_text
+from crf_replaysim.formats import INPUT_FORMATS, OUTPUT_FORMATS, FormatReader, PairFormat, dj_record_to_trl
+from crf_replaysim.jsonl import DEFAULT_MAX_LINE_BYTES, MalformedLine, atomic_output, check_output, iter_json_lines
 from crf_replaysim.ops import NATIVE_OPS, NativeDeduplicator, NativeFilter, NativeMapper, NativeOp, RecipeError
 from crf_replaysim.ops._recipe import (
     PAIR_FIELD,
@@ -29,75 +38,10 @@ from crf_replaysim.ops._recipe import (
     build_native_op,
     load_recipe,
 )
-from crf_replaysim.records import RecordError, validate_dj_record
+from crf_replaysim.records import RecordError
 
 Backend = Literal["native", "data-juicer"]
 BACKENDS: tuple[str, ...] = ("native", "data-juicer")
-
-
-@dataclass
-class NormalizeSummary:
-    """Counts of one normalisation run.
-
-    ``read``: records (or JSONL lines) read; ``kept``: records written; ``dropped_per_op``: records each
-    recipe step removed, keyed ``op_name(text_key)`` (data-juicer backend: per executor pass, see its
-    docs); ``malformed``: ``(line number, reason)`` of input lines that were not valid records (never written).
-    """
-
-    read: int = 0
-    kept: int = 0
-    dropped_per_op: dict[str, int] = field(default_factory=dict)
-    malformed: list[tuple[int, str]] = field(default_factory=list)
-
-    def format(self) -> str:
-        """Multi-line human-readable summary, as the CLI prints it at the end."""
-        lines = [f"read {self.read}, kept {self.kept}, dropped {sum(self.dropped_per_op.values())}"]
-        lines += [f"  dropped by {label}: {count}" for label, count in self.dropped_per_op.items()]
-        if self.malformed:
-            lines.append(f"  malformed lines (not written): {len(self.malformed)}")
-            lines += [f"    line {number}: {reason}" for number, reason in self.malformed]
-        return "\n".join(lines)
-
-
-def pair_text(record: Mapping[str, Any]) -> str:
-    """The derived ``pair`` field: ``[prompt, chosen, rejected]`` as compact JSON (unambiguous, so exact dedup)."""
-    return json.dumps([record["prompt"], record["chosen"], record["rejected"]], ensure_ascii=False)
-
-
-def message_texts(messages: list[Any]) -> list[str]:
-    """The strings :func:`map_message_text` would rewrite, in the same order."""
-    texts: list[str] = []
-
-    def collect(text: str) -> str:
-        texts.append(text)
-        return text
-
-    map_message_text(messages, collect)
-    return texts
-
-
-def map_message_text(messages: list[Any], apply: Callable[[str], str]) -> list[Any]:
-    """A copy of ``messages`` with ``apply`` run on each string ``content`` and each ``{"type": "text"}`` part.
-
-    Tool-call arguments (JSON) are left untouched.
-    """
-    out: list[Any] = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            raise RecordError(f"chat messages must be dicts, got {type(message).__name__}")
-        content = message.get("content")
-        if isinstance(content, str):
-            message = {**message, "content": apply(content)}
-        elif isinstance(content, list):
-            parts = [
-                {**part, "text": apply(part["text"])}
-                if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                else part
-                for part in content
-            ]
-            message = {**message, "content": parts}
-        out.append(message)
-    return out
 
 
 class DJNormalizer:
@@ -107,19 +51,36 @@ class DJNormalizer:
         recipe: ``None`` (the packaged ``recipes/default.yaml``), a path to a YAML recipe, or a dict.
         skip_dj: pass every record through unchanged (no data-juicer, no Ray, no filtering).
         backend: ``"native"`` (pure Python, streaming) or ``"data-juicer"`` (the real executor, in-process).
+        input_format: ``"auto"`` (records or TRL rows, decided by the first row), ``"records"`` or ``"trl"``.
+        output_format: ``"records"`` (dj records), ``"trl"`` (TRL rows in the input's flavour; records become
+            conversational), ``"trl-standard"`` or ``"trl-conversational"``.
 
-    ``normalize(records)`` yields the kept records in input order; ``stats`` holds the counts of the last
+    ``normalize(rows)`` yields the kept rows in input order; ``stats`` holds the counts of the last
     (or running) call. Recipe mistakes raise :class:`~crf_replaysim.ops.RecipeError` at construction.
     """
 
-    def __init__(self, recipe: RecipeSource = None, skip_dj: bool = False, backend: Backend = "native") -> None:
+    def __init__(
+        self,
+        recipe: RecipeSource = None,
+        skip_dj: bool = False,
+        backend: Backend = "native",
+        *,
+        input_format: str = "auto",
+        output_format: str = "records",
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(skip_dj, bool):
             raise TypeError(f"skip_dj must be a bool, got {type(skip_dj).__name__}")
+        if input_format not in INPUT_FORMATS:
+            raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {input_format!r}")
+        if output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {output_format!r}")
         self.recipe = load_recipe(recipe)
         self.skip_dj = skip_dj
         self.backend: Backend = backend
+        self.input_format = input_format
+        self.output_format = output_format
         # Built for both backends: this checks the arguments of every op the native backend knows.
         self._ops: list[NativeOp] = []
         for step in self.recipe.steps:
@@ -134,15 +95,27 @@ class DJNormalizer:
         self.stats = NormalizeSummary()
 
     def normalize(self, records: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
-        """Yield the records the recipe keeps (rewritten by its mappers), in input order.
+        """Yield the rows the recipe keeps (rewritten by its mappers), in input order, in ``output_format``.
 
-        Each record is checked with :func:`crf_replaysim.records.validate_dj_record` first; a bad one raises
-        ``RecordError`` naming its index.
+        Each row is read as ``input_format`` (a TRL row is converted to a record first, see
+        :mod:`crf_replaysim.formats`); a bad one raises ``RecordError`` naming its index.
         """
-        return self._normalize(self._checked(records))
+        reader = FormatReader(self.input_format)
+        return self._emit(self._normalize(self._checked(records, reader)), reader)
+
+    def _emit(self, records: Iterator[dict[str, Any]], reader: FormatReader) -> Iterator[dict[str, Any]]:
+        """``records`` in ``output_format`` (``reader`` tells the input's flavour for ``"trl"``)."""
+        if self.output_format == "records":
+            return records
+        return (dj_record_to_trl(record, self._trl_flavour(reader)) for record in records)
+
+    def _trl_flavour(self, reader: FormatReader) -> PairFormat:
+        if self.output_format == "trl-standard" or (self.output_format == "trl" and reader.format == "trl-standard"):
+            return "trl-standard"
+        return "trl-conversational"
 
     def _normalize(self, records: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
-        """:meth:`normalize` without the record check (``records`` are already validated)."""
+        """The recipe over already validated dj ``records`` (no conversion, records out)."""
         self.stats = NormalizeSummary(dropped_per_op={} if self.skip_dj else {s.label: 0 for s in self.recipe.steps})
         if self.skip_dj:
             return self._passthrough(records)
@@ -152,12 +125,13 @@ class DJNormalizer:
 
         return run_data_juicer(self.recipe, records, self.stats)
 
-    def _checked(self, records: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
-        for index, record in enumerate(records):
+    def _checked(self, rows: Iterable[Any], reader: FormatReader) -> Iterator[dict[str, Any]]:
+        for index, row in enumerate(rows):
             try:
-                validate_dj_record(record)
+                record = reader.convert(row, f"row-{index}")
             except RecordError as err:
                 raise RecordError(f"record {index}: {err}") from None
+            self.stats.input_format = reader.format
             yield record
 
     def _passthrough(self, records: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -201,28 +175,27 @@ class DJNormalizer:
             stats.dropped_per_op[labels[i]] += 1
 
 
-def _read_jsonl(
-    path: str | os.PathLike[str],
+def _read_rows(
+    path: Path,
     summary: NormalizeSummary,
+    reader: FormatReader,
     progress: Callable[[int], None] | None,
+    max_line_bytes: int,
 ) -> Iterator[dict[str, Any]]:
-    """Yield the valid records of ``path``; record every other line in ``summary.malformed``."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if progress is not None:
-                progress(1)
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                reason = "blank line" if not line.strip() else f"invalid JSON ({err.msg} at column {err.colno})"
-                summary.malformed.append((number, reason))
-                continue
-            try:
-                validate_dj_record(record)
-            except RecordError as err:
-                summary.malformed.append((number, str(err)))
-                continue
-            yield record
+    """Yield the dj records of ``path``'s good lines; record every other line in ``summary.malformed``."""
+    for item in iter_json_lines(path, max_line_bytes=max_line_bytes, blank_lines="report"):
+        if progress is not None:
+            progress(1)
+        if isinstance(item, MalformedLine):
+            summary.malformed.append((item.line, item.reason))
+            continue
+        number, row = item
+        try:
+            record = reader.convert(row, f"{path.name}:{number}", decoded=True)
+        except RecordError as err:
+            summary.malformed.append((number, str(err)))
+            continue
+        yield record
 
 
 def normalize_jsonl(
@@ -233,22 +206,38 @@ def normalize_jsonl(
     backend: Backend = "native",
     skip_dj: bool = False,
     progress: Callable[[int], None] | None = None,
+    input_format: str = "auto",
+    output_format: str = "records",
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> NormalizeSummary:
-    """Normalise the DPO-pair JSONL file ``input_path`` into ``output_path``.
+    """Normalise the pair JSONL file ``input_path`` into ``output_path``; nothing is lost on bad input.
 
-    Streams with the native backend and ``skip_dj``. Lines that are not JSON objects with the record fields
-    are not written; they are counted in ``read`` and listed in ``malformed`` with their line numbers.
-    ``progress(1)`` is called once per line read (e.g. ``crf_replaysim.progress.StderrProgress``).
+    Streams with the native backend and ``skip_dj``. Lines that are not valid rows of the input format
+    (bad JSON or UTF-8, lone surrogates, too deep, longer than ``max_line_bytes``, wrong schema, blank)
+    are not written; they are counted in ``read`` and listed in ``malformed`` with their line numbers, and
+    the other lines are processed. The output goes to a temporary file renamed over ``output_path`` only
+    at the end (an error or Ctrl-C leaves the previous file as it was); ``output_path`` naming the input
+    file (by any path, symlink or hard link) raises :class:`~crf_replaysim.jsonl.UnsafeOutputError`
+    before anything is opened. ``progress(1)`` is called once per line read.
     """
-    normalizer = DJNormalizer(recipe, skip_dj=skip_dj, backend=backend)
+    normalizer = DJNormalizer(
+        recipe, skip_dj=skip_dj, backend=backend, input_format=input_format, output_format=output_format
+    )
+    source = Path(input_path)
+    check_output(output_path, [source])
+    if not source.is_file():
+        raise FileNotFoundError(f"input file {str(source)!r} does not exist")
     summary = NormalizeSummary()
-    with open(output_path, "w", encoding="utf-8") as out:
-        for record in normalizer._normalize(_read_jsonl(input_path, summary, progress)):
-            out.write(json.dumps(record, ensure_ascii=False))
+    reader = FormatReader(input_format)
+    with atomic_output(output_path, inputs=[source]) as out:
+        rows = _read_rows(source, summary, reader, progress, max_line_bytes)
+        for row in normalizer._emit(normalizer._normalize(rows), reader):
+            out.write(json.dumps(row, ensure_ascii=False))
             out.write("\n")
     summary.read = normalizer.stats.read + len(summary.malformed)
     summary.kept = normalizer.stats.kept
     summary.dropped_per_op = dict(normalizer.stats.dropped_per_op)
+    summary.input_format = reader.format
     return summary
 
 

@@ -10,18 +10,20 @@ One trace per line, a JSON object::
 Rules beyond the chat format: every ``tool`` message answers a tool call made by an earlier
 assistant message, and at least one assistant message has context before it (a *decision
 point*). Blank lines are skipped; every other line either parses into a :class:`Trace` or is
-reported as a :class:`MalformedLine` with its 1-based line number, never dropped silently.
+reported as a :class:`MalformedLine` with its 1-based line number, never dropped silently
+(lines are read by :func:`crf_replaysim.jsonl.iter_json_lines`: bad UTF-8, lone surrogates, too
+deep or too long lines are reported like bad JSON).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from crf_replaysim.jsonl import DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE_BYTES, MalformedLine, iter_json_lines
 from crf_replaysim.messages import MessageError, validate_messages
 
 __all__ = [
@@ -39,14 +41,6 @@ _TRACE_KEYS = frozenset({"trace_id", "messages", "tools", "meta"})
 
 class TraceError(ValueError):
     """A trace does not follow the trace format."""
-
-
-@dataclass(frozen=True)
-class MalformedLine:
-    """A line of a JSONL file that could not be used, with the reason (1-based ``line``)."""
-
-    line: int
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -118,39 +112,30 @@ def parse_trace(obj: Any, line: int = 0) -> Trace:
     return trace
 
 
-def iter_traces(path: str | Path) -> Iterator[Trace | MalformedLine]:
+def iter_traces(
+    path: str | Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, max_depth: int = DEFAULT_MAX_DEPTH
+) -> Iterator[Trace | MalformedLine]:
     """Stream a trace JSONL file: a :class:`Trace` per good line, a :class:`MalformedLine` per bad one.
 
-    Reads one line at a time (constant memory besides the set of seen ids). A repeated
-    ``trace_id`` is malformed: provenance must name one trace.
+    Reads one line at a time (constant memory besides the set of seen ids; ``max_line_bytes`` caps a
+    line). A repeated ``trace_id`` is malformed: provenance must name one trace.
     """
     seen: set[str] = set()
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield MalformedLine(lineno, f"not UTF-8 ({err.reason} at byte {err.start})")
-                continue
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except ValueError as err:
-                yield MalformedLine(lineno, f"invalid JSON: {err}")
-                continue
-            try:
-                trace = parse_trace(obj, line=lineno)
-            except TraceError as err:
-                yield MalformedLine(lineno, str(err))
-                continue
-            if trace.trace_id in seen:
-                yield MalformedLine(
-                    lineno, f"trace_id {trace.trace_id!r} repeats an earlier line. Fix: make ids unique"
-                )
-                continue
-            seen.add(trace.trace_id)
-            yield trace
+    for item in iter_json_lines(path, max_line_bytes=max_line_bytes, max_depth=max_depth):
+        if isinstance(item, MalformedLine):
+            yield item
+            continue
+        lineno, obj = item
+        try:
+            trace = parse_trace(obj, line=lineno)
+        except TraceError as err:
+            yield MalformedLine(lineno, str(err))
+            continue
+        if trace.trace_id in seen:
+            yield MalformedLine(lineno, f"trace_id {trace.trace_id!r} repeats an earlier line. Fix: make ids unique")
+            continue
+        seen.add(trace.trace_id)
+        yield trace
 
 
 def load_traces(path: str | Path) -> tuple[list[Trace], list[MalformedLine]]:

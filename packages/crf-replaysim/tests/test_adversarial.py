@@ -1,0 +1,575 @@
+"""Adversarial inputs for the CLIs, the loaders and the teacher client: each is contained and the good data kept.
+
+Every test takes the ``contained`` fixture and calls it once its assertions pass; the run ends with the tally
+("N attacks or bad inputs tried, N contained with the good data kept"). Servers are real HTTP servers on
+127.0.0.1 (``conftest.ScriptedTeacher``); child processes are interrupted with a real SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crf_replaysim._synthetic import synthetic_dj_records
+from crf_replaysim.cli import main
+from crf_replaysim.jsonl import UnsafeOutputError
+from crf_replaysim.normalize import normalize_jsonl
+from crf_replaysim.pairs import read_pairs
+from crf_replaysim.records import RecordError
+from crf_replaysim.replay import ReplayBusyError, ReplayStateError, replay_jsonl, replay_state_paths
+from crf_replaysim.teacher import (
+    TeacherClient,
+    TeacherConfigError,
+    TeacherHTTPError,
+    TeacherResponseTooLarge,
+    TeacherRetriesExhausted,
+)
+
+KEY_ENV = "CRF_REPLAYSIM_TEST_KEY"
+GOOD = [json.dumps(r, ensure_ascii=False) for r in synthetic_dj_records(6, seed=5)]
+
+
+def complete(client: TeacherClient, messages: list[dict[str, Any]] | None = None) -> Any:
+    async def go() -> Any:
+        try:
+            return await client.complete(messages or [{"role": "user", "content": "Run the tests."}])
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def distinct_traces(trace_factory: Any, n: int) -> list[dict[str, Any]]:
+    """``n`` two-point traces whose contexts all differ (identical contexts would share teacher calls)."""
+    traces = [trace_factory(f"t{i}") for i in range(n)]
+    for trace in traces:
+        trace["messages"][0]["content"] = f"List the files of {trace['trace_id']}."
+    return traces
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def replay_cli(server: Any, traces: Path, out: Path, *extra: str) -> list[str]:
+    return ["replay", str(traces), "-o", str(out), "--model", "org/teacher", "--base-url", server.base_url,
+            "--api-key-env", KEY_ENV, "--backoff-base", "0.01", "--backoff-max", "0.02", "--quiet", *extra]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- output is an input
+
+
+def _alias(kind: str, target: Path) -> Path:
+    if kind == "same path":
+        return target
+    if kind == "dotted path":
+        (target.parent / "sub").mkdir(exist_ok=True)
+        return target.parent / "sub" / ".." / target.name
+    alias = target.parent / f"alias-{kind.replace(' ', '-')}.jsonl"
+    if kind == "symlink":
+        alias.symlink_to(target)
+    else:
+        os.link(target, alias)
+    return alias
+
+
+ALIASES = ["same path", "dotted path", "symlink", "hard link"]
+
+
+@pytest.mark.parametrize("kind", ALIASES)
+def test_normalize_into_its_own_input_is_refused_before_opening(tmp_path, capsys, contained, kind):
+    src = tmp_path / "p.jsonl"
+    src.write_text("\n".join(GOOD[:5]) + "\n", encoding="utf-8")
+    before = src.read_bytes()
+    assert main(["normalize", str(src), "-o", str(_alias(kind, src)), "--skip-dj", "--quiet"]) == 1
+    assert "same file as the input" in capsys.readouterr().err
+    assert src.read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    contained()
+
+
+@pytest.mark.parametrize("kind", ALIASES)
+def test_replay_into_its_own_traces_is_refused_before_opening(
+    teacher_server, api_key, tmp_path, capsys, contained, kind, trace_factory, jsonl_writer
+):
+    traces = jsonl_writer(tmp_path / "t.jsonl", [trace_factory("a"), trace_factory("b")])
+    before = traces.read_bytes()
+    assert main(replay_cli(teacher_server, traces, _alias(kind, traces))) == 1
+    assert "same file as the input" in capsys.readouterr().err
+    assert traces.read_bytes() == before
+    assert teacher_server.requests == []
+    contained()
+
+
+def test_normalize_into_a_directory_is_refused(tmp_path, contained):
+    src = tmp_path / "p.jsonl"
+    src.write_text(GOOD[0] + "\n", encoding="utf-8")
+    with pytest.raises(UnsafeOutputError, match="is a directory"):
+        normalize_jsonl(src, tmp_path)
+    contained()
+
+
+# --------------------------------------------------------------------------- bad lines among good ones
+
+DEEP = "[" * 30_000 + "]" * 30_000
+BAD_LINES: dict[str, tuple[bytes, str]] = {
+    "invalid JSON": (b'{"prompt": "x", ', "invalid JSON"),
+    "non-UTF-8 byte": (GOOD[0].encode()[:40] + b"\xff\xfe" + GOOD[0].encode()[40:], "not UTF-8"),
+    "lone high surrogate": (GOOD[0].replace('"trace_id": "', '"trace_id": "\\ud83d', 1).encode(), "lone surrogate"),
+    "lone low surrogate in a key": (b'{"\\udc00": 1}', "lone surrogate"),
+    "nested 30,000 deep": (DEEP.encode(), "nested too deeply"),
+    "nested past max_depth": (json.dumps({"meta": json.loads("[" * 150 + "]" * 150)}).encode(), "nested deeper"),
+    "NaN": (GOOD[0].replace('"turn": ', '"turn": NaN, "x": ', 1).encode(), "NaN is not valid JSON"),
+    "Infinity": (b'{"chosen": Infinity}', "Infinity is not valid JSON"),
+    "huge line": (b'{"prompt": "' + b"x" * 300_000 + b'"}', "longer than max_line_bytes"),
+    "missing keys": (b'{"chosen": "only one side"}', "lacks"),
+    "newer major schema": (GOOD[0].replace('"schema_version": "1.0"', '"schema_version": "2.0"').encode(), "newer"),
+    "garbage schema version": (GOOD[0].replace('"schema_version": "1.0"', '"schema_version": "one"').encode(), "MAJOR"),
+    "not an object": (b"[1, 2, 3]", "JSON object"),
+    "TRL row with a number as chosen": (b'{"prompt": "p", "chosen": 3, "rejected": "r"}', "chosen is int"),
+    "TRL row among records": (b'{"prompt": "p", "chosen": "good answer", "rejected": "bad answer"}', "one format"),
+    "blank line": (b"   ", "blank line"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_LINES))
+def test_normalize_skips_a_bad_line_and_keeps_every_good_one(tmp_path, capsys, contained, kind):
+    bad, reason = BAD_LINES[kind]
+    src = tmp_path / "p.jsonl"
+    src.write_bytes(b"\n".join([g.encode() for g in GOOD[:3]] + [bad] + [g.encode() for g in GOOD[3:]]) + b"\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous output\n", encoding="utf-8")
+    args = ["normalize", str(src), "-o", str(out), "--skip-dj", "--quiet", "--max-line-bytes", "65536"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "line 4: " in err, err
+    assert reason in err, err
+    assert lines(out) == GOOD  # every good line, in order, byte for byte
+    assert main([*args, "--strict"]) == 3
+    items = list(read_pairs(src, max_line_bytes=65536))
+    errors = [i for i in items if isinstance(i, RecordError)]
+    if kind == "blank line":  # the pair reader skips blank lines
+        assert errors == []
+        assert len(items) == len(GOOD)
+    else:
+        assert [e.line for e in errors] == [4]
+        assert reason in errors[0].reason
+        with pytest.raises(RecordError, match="line 4: "):
+            list(read_pairs(src, strict=True, max_line_bytes=65536))
+    contained()
+
+
+def test_normalize_without_a_trailing_newline_and_with_a_bom(tmp_path, contained):
+    src = tmp_path / "p.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "\n".join(GOOD).encode())
+    summary = normalize_jsonl(src, tmp_path / "o.jsonl", skip_dj=True)
+    assert summary.malformed == []
+    assert lines(tmp_path / "o.jsonl") == GOOD
+    contained()
+
+
+TRACE_ATTACKS = {
+    "lone surrogate": lambda t: json.dumps(t).replace("List the files", "List \\ud83d the files"),
+    "nested 30,000 deep": lambda t: DEEP,
+    "non-UTF-8": lambda t: json.dumps(t).replace("List", "L\udcffist"),
+    "huge line": lambda t: json.dumps({**t, "meta": {"blob": "y" * 200_000}}),
+    "NaN in meta": lambda t: json.dumps(t).replace('"agent_model": "student"', '"agent_model": NaN'),
+}
+
+
+@pytest.mark.parametrize("kind", list(TRACE_ATTACKS))
+def test_replay_skips_a_bad_trace_and_replays_the_other_49(
+    teacher_server, api_key, tmp_path, capsys, contained, kind, trace_factory
+):
+    rows: list[Any] = distinct_traces(trace_factory, 50)
+    rows[17] = TRACE_ATTACKS[kind](rows[17])
+    traces = tmp_path / "t.jsonl"
+    traces.write_bytes(
+        b"".join((r if isinstance(r, str) else json.dumps(r)).encode("utf-8", "surrogateescape") + b"\n" for r in rows)
+    )
+    out = tmp_path / "pairs.jsonl"
+    assert main(replay_cli(teacher_server, traces, out, "--max-line-bytes", "65536", "--concurrency", "4")) == 0
+    err = capsys.readouterr().err
+    assert "malformed lines:  1" in err
+    assert "line 18: " in err
+    pairs = [json.loads(line) for line in lines(out)]
+    assert len(pairs) == 49 * 2
+    assert "t17" not in {p["trace_id"] for p in pairs}
+    contained()
+
+
+# --------------------------------------------------------------------------- the key never appears
+
+
+def test_http_200_error_quoting_the_key_never_shows_it(
+    teacher_server, api_key, tmp_path, capsys, caplog, contained, trace_factory, jsonl_writer
+):
+    teacher_server.responder = lambda body: {"error_echo_auth": True, "status": 200}
+    traces = jsonl_writer(tmp_path / "t.jsonl", [trace_factory("a")])
+    out = tmp_path / "p.jsonl"
+    with caplog.at_level(logging.DEBUG):
+        assert main(replay_cli(teacher_server, traces, out, "--max-retries", "1")) == 0
+    err = capsys.readouterr().err
+    assert "invalid key Bearer <secret>" in err  # the failure is reported, redacted
+    with pytest.raises(TeacherRetriesExhausted) as info:
+        complete(TeacherClient("m", base_url=teacher_server.base_url, api_key_env=KEY_ENV, max_retries=0))
+    for text in (err, caplog.text, str(info.value), repr(info.value.last_error), out.read_text()):
+        assert api_key not in text
+    contained()
+
+
+def test_escaped_key_inside_a_completion_is_redacted_before_pairs_and_cache(
+    teacher_server, api_key, tmp_path, contained, trace_factory, jsonl_writer
+):
+    teacher_server.responder = lambda body: {"content_echo_auth": True, "status": 200}
+    cache = tmp_path / "cache"
+    out = tmp_path / "p.jsonl"
+    client = TeacherClient("m", base_url=teacher_server.base_url, api_key_env=KEY_ENV, cache_dir=cache)
+    replay_jsonl(jsonl_writer(tmp_path / "t.jsonl", [trace_factory("a")]), out, client=client)
+    text = out.read_text() + "".join(p.read_text() for p in cache.rglob("*.json"))
+    assert "my key is Bearer <secret>" in text
+    assert api_key not in text
+    contained()
+
+
+@pytest.mark.parametrize(
+    "url", ["http://api.example.com/v1", "http://10.0.0.5:8000/v1", "http://localhost.evil.com/v1"]
+)
+def test_a_key_over_plain_http_to_another_host_is_refused(api_key, contained, url):
+    with pytest.raises(TeacherConfigError, match="plain http://"):
+        TeacherClient("m", base_url=url, api_key_env=KEY_ENV)
+    for loopback in ("http://127.0.0.1:9/v1", "http://[::1]:9/v1", "http://localhost:9/v1"):
+        TeacherClient("m", base_url=loopback, api_key_env=KEY_ENV)
+    TeacherClient("m", base_url=url, api_key_env=None)  # no key: nothing to leak
+    contained()
+
+
+def test_url_userinfo_is_sent_as_basic_auth_and_never_shown(teacher_server, tmp_path, caplog, contained):
+    teacher_server.script.extend([{"status": 500, "echo_auth": True}] * 2)
+    host = teacher_server.base_url.removeprefix("http://")
+    client = TeacherClient("m", base_url=f"http://alice:s3cr3t-pw@{host}", api_key_env=None, max_retries=1)
+    with caplog.at_level(logging.DEBUG), pytest.raises(TeacherRetriesExhausted) as info:
+        complete(client)
+    assert teacher_server.requests[0]["headers"]["Authorization"].startswith("Basic ")
+    for text in (repr(client), str(info.value), caplog.text, client.chat_url):
+        assert "s3cr3t-pw" not in text
+        assert "alice:" not in text
+    assert "auth was: Basic <secret>" in str(info.value)
+    contained()
+
+
+def test_redirect_to_another_host_is_not_followed(
+    teacher_server, api_key, tmp_path, contained, trace_factory, jsonl_writer, make_teacher_server
+):
+    other = make_teacher_server()
+    target = f"{other.base_url}/chat/completions"
+    teacher_server.responder = lambda body: {"status": 307, "headers": {"Location": target}, "raw": b""}
+    out = tmp_path / "p.jsonl"
+    client = TeacherClient("m", base_url=teacher_server.base_url, api_key_env=KEY_ENV)
+    with pytest.raises(TeacherHTTPError, match="does not follow redirects") as info:
+        replay_jsonl(jsonl_writer(tmp_path / "t.jsonl", [trace_factory("a")]), out, client=client)
+    assert other.requests == []  # the key never travelled to the other host
+    assert api_key not in str(info.value)
+    assert not out.exists()
+    contained()
+
+
+# --------------------------------------------------------------------------- bounded responses
+
+
+def test_a_dripping_server_is_cut_at_the_deadline(teacher_server, make_client, contained):
+    teacher_server.script.append({"message": {"role": "assistant", "content": "slow " * 40}, "drip": 0.05})
+    start = time.monotonic()
+    with pytest.raises(TeacherRetriesExhausted, match=r"no reply within timeout_s=0\.6"):
+        complete(make_client(timeout_s=0.6, max_retries=0))
+    assert time.monotonic() - start < 2.0  # 250 bytes x 0.05 s would be 12.5 s
+    contained()
+
+
+@pytest.mark.parametrize(("cap", "error"), [(256 * 1024, TeacherResponseTooLarge), (2**40, TeacherRetriesExhausted)])
+def test_a_never_ending_reply_stops_at_the_cap_or_the_deadline(teacher_server, make_client, contained, cap, error):
+    teacher_server.script.append({"endless": 4096})
+    start = time.monotonic()
+    with pytest.raises(error):
+        complete(make_client(timeout_s=1.0, max_retries=0, max_response_bytes=cap))
+    assert time.monotonic() - start < 3.0
+    assert len(teacher_server.requests) == 1  # too large is not retried
+    contained()
+
+
+def test_declared_oversize_body_fails_without_reading_or_retrying(teacher_server, make_client, contained):
+    teacher_server.script.append({"raw": b"{}", "headers": {"Content-Length": str(10**9)}})
+    with pytest.raises(TeacherResponseTooLarge, match="max_response_bytes=1024"):
+        complete(make_client(max_response_bytes=1024))
+    assert len(teacher_server.requests) == 1
+    contained()
+
+
+def test_a_gzip_bomb_is_stopped_at_the_cap_in_bounded_memory(teacher_server, make_client, contained):
+    squeezer = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    zeros = b"\0" * 2**20
+    bomb = b"".join(squeezer.compress(zeros) for _ in range(256)) + squeezer.flush()  # 256 MiB inflated
+    assert len(bomb) < 300_000
+    teacher_server.script.append({"raw": bomb, "headers": {"Content-Encoding": "gzip"}})
+    tracemalloc.start()
+    try:
+        with pytest.raises(TeacherResponseTooLarge):
+            complete(make_client(max_response_bytes=2**20))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak
+    contained()
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        (
+            {"raw": b"\x1f\x8b\x08\x00garbage", "headers": {"Content-Encoding": "gzip"}},
+            "broken compressed body|ended early",
+        ),
+        ({"raw": zlib.compress(b'{"choices": []}')[:-6], "headers": {"Content-Encoding": "deflate"}}, "ended early"),
+        ({"raw": b"{}", "headers": {"Content-Encoding": "br"}}, "unsupported Content-Encoding"),
+        ({"json": {"choices": [{"message": {"role": "assistant", "content": "\ud83d"}}]}}, "lone surrogate"),
+        ({"raw": b'{"choices": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"}, "not JSON|nested"),
+    ],
+    ids=["broken gzip", "truncated deflate", "unknown encoding", "lone surrogate reply", "deep reply"],
+)
+def test_unusable_bodies_fail_the_request_not_the_client(teacher_server, make_client, contained, entry, match):
+    if "lone surrogate" in match:  # json.dumps writes it as an escape, as a hostile server would
+        entry = {"raw": json.dumps(entry["json"]).encode()}
+    teacher_server.script.extend([entry, entry])
+    with pytest.raises(TeacherRetriesExhausted, match=match):
+        complete(make_client(max_retries=1))
+    assert complete(make_client()).message["content"].startswith("teacher action")  # the next request is fine
+    contained()
+
+
+def test_a_429_storm_fails_each_point_boundedly_and_the_run_finishes(
+    teacher_server, api_key, tmp_path, capsys, contained, trace_factory, jsonl_writer
+):
+    teacher_server.responder = lambda body: {"status": 429, "headers": {"Retry-After": "0"}}
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 4))
+    out = tmp_path / "p.jsonl"
+    start = time.monotonic()
+    assert main(replay_cli(teacher_server, traces, out, "--max-retries", "2", "--strict")) == 3
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err
+    assert "failed points:    8" in err
+    assert "HTTP 429" in err
+    assert len(teacher_server.requests) == 8 * 3
+    assert lines(out) == []
+    contained()
+
+
+# --------------------------------------------------------------------------- cache, interrupts, concurrency
+
+
+def test_an_unwritable_cache_warns_once_and_keeps_the_paid_replies(
+    teacher_server, make_client, tmp_path, caplog, contained, trace_factory, jsonl_writer
+):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache directory should be")
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 3))
+    with caplog.at_level(logging.WARNING, logger="crf_replaysim.teacher"):
+        summary = replay_jsonl(traces, tmp_path / "p.jsonl", client=make_client(cache_dir=blocker))
+    assert summary.pairs_written == 6
+    assert summary.failed == []
+    assert caplog.text.count("cannot write the response cache") == 1
+    contained()
+
+
+def test_ctrl_c_in_normalize_leaves_the_previous_output_and_no_temp_file(tmp_path, contained):
+    src = tmp_path / "p.jsonl"
+    src.write_text("\n".join(GOOD) + "\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous output\n", encoding="utf-8")
+
+    def interrupt(_: int) -> None:
+        if len(ticks) == 3:
+            raise KeyboardInterrupt
+        ticks.append(1)
+
+    ticks: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        normalize_jsonl(src, out, skip_dj=True, progress=interrupt)
+    assert out.read_text() == "previous output\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "p.jsonl"]
+    contained()
+
+
+def _start_replay(server: Any, traces: Path, out: Path, cache: Path, key: str) -> subprocess.Popen[str]:
+    args = replay_cli(server, traces, out, "--cache-dir", str(cache), "--concurrency", "2")
+    return subprocess.Popen(
+        [sys.executable, "-m", "crf_replaysim", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, KEY_ENV: key},
+    )
+
+
+def _wait_for_lines(path: Path, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never reached {n} lines")
+
+
+def test_ctrl_c_in_replay_keeps_the_old_output_and_resumes_without_paying_twice(
+    teacher_server, api_key, tmp_path, contained, trace_factory, jsonl_writer
+):
+    teacher_server.responder = lambda body: {"sleep": 0.05, "message": {"role": "assistant", "content": "teacher"}}
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 20))
+    out, cache = tmp_path / "p.jsonl", tmp_path / "cache"
+    out.write_text("previous output\n", encoding="utf-8")
+    partial, journal = replay_state_paths(out)
+    child = _start_replay(teacher_server, traces, out, cache, api_key)
+    _wait_for_lines(journal, 8)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=30)
+    assert child.returncode == 130, err
+    assert "run the same command again to resume" in err
+    assert api_key not in err
+    assert out.read_text() == "previous output\n"
+    paid = len(list(cache.rglob("*.json")))  # replies received (and paid for) before the interrupt
+    asked_before = len(teacher_server.requests)
+    assert 0 < paid < 40
+    rerun = _start_replay(teacher_server, traces, out, cache, api_key)
+    _, err = rerun.communicate(timeout=60)
+    assert rerun.returncode == 0, err
+    assert len(teacher_server.requests) - asked_before == 40 - paid  # nothing answered is asked again
+    reference = tmp_path / "reference.jsonl"
+    replay_jsonl(traces, reference, client=TeacherClient("org/teacher", base_url=teacher_server.base_url,
+                                                         api_key_env=KEY_ENV, cache_dir=cache))  # fmt: skip
+    assert out.read_bytes() == reference.read_bytes()
+    assert not partial.exists()
+    assert not journal.exists()
+    contained()
+
+
+def test_an_interrupted_replay_refuses_other_traces_and_restarts_on_request(
+    teacher_server, make_client, tmp_path, contained, trace_factory, jsonl_writer
+):
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 3))
+    out = tmp_path / "p.jsonl"
+    seen: list[int] = []
+
+    def interrupt(done: int) -> None:
+        seen.append(done)
+        if done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        replay_jsonl(traces, out, client=make_client(), progress=interrupt)
+    assert not out.exists()
+    assert replay_state_paths(out)[1].exists()
+    other = jsonl_writer(tmp_path / "other.jsonl", [trace_factory("x")])
+    with pytest.raises(ReplayStateError, match=r"traces_sha256.*--restart"):
+        replay_jsonl(other, out, client=make_client())
+    with pytest.raises(ReplayStateError, match="settings"):
+        replay_jsonl(traces, out, client=make_client(temperature=0.5))
+    resumed = replay_jsonl(traces, out, client=make_client())
+    assert (resumed.resumed, resumed.pairs_written) == (3, 6)
+    summary = replay_jsonl(other, out, client=make_client(), resume=False)
+    assert summary.pairs_written == 2
+    assert summary.resumed == 0
+    contained()
+
+
+def test_a_kill_mid_write_is_repaired_on_resume(
+    teacher_server, make_client, tmp_path, contained, trace_factory, jsonl_writer
+):
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 3))
+    out = tmp_path / "p.jsonl"
+
+    def interrupt(done: int) -> None:
+        if done == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        replay_jsonl(traces, out, client=make_client(), progress=interrupt)
+    partial, journal = replay_state_paths(out)
+    with open(partial, "ab") as fh:  # a pair written, its journal line cut short: the kill came in between
+        fh.write(b'{"half": "a line"}\n{"cut')
+    with open(journal, "ab") as fh:
+        fh.write(b'{"line": 3, "tu')
+    summary = replay_jsonl(traces, out, client=make_client())
+    assert summary.pairs_written == 6
+    assert summary.resumed == 4
+    assert [(p["trace_id"], p["turn"]) for p in map(json.loads, lines(out))] == [
+        (f"t{i}", t) for i in range(3) for t in (1, 3)
+    ]
+    contained()
+
+
+def test_failed_points_are_retried_on_resume_and_land_in_input_order(
+    teacher_server, make_client, tmp_path, contained, trace_factory, jsonl_writer
+):
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 3))
+    out = tmp_path / "p.jsonl"
+    teacher_server.script.append({"status": 400})  # the first point fails (not retried) ...
+
+    def interrupt(done: int) -> None:
+        if done == 4:
+            raise KeyboardInterrupt  # ... and the run is interrupted later
+
+    with pytest.raises(KeyboardInterrupt):
+        replay_jsonl(traces, out, client=make_client(max_concurrency=1), max_pending=1, progress=interrupt)
+    summary = replay_jsonl(traces, out, client=make_client())
+    assert summary.failed == []
+    assert summary.pairs_written == 6
+    assert [(p["trace_id"], p["turn"]) for p in map(json.loads, lines(out))][:2] == [("t0", 1), ("t0", 3)]
+    contained()
+
+
+def test_a_second_replay_into_the_same_output_is_refused(
+    teacher_server, api_key, tmp_path, contained, trace_factory, jsonl_writer
+):
+    teacher_server.responder = lambda body: {"sleep": 0.1, "message": {"role": "assistant", "content": "teacher"}}
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 10))
+    out, cache = tmp_path / "p.jsonl", tmp_path / "cache"
+    first = _start_replay(teacher_server, traces, out, cache, api_key)
+    try:
+        _wait_for_lines(replay_state_paths(out)[1], 2)
+        client = TeacherClient("org/teacher", base_url=teacher_server.base_url, api_key_env=KEY_ENV)
+        with pytest.raises(ReplayBusyError, match="another crf-replaysim replay is writing"):
+            replay_jsonl(traces, out, client=client)
+    finally:
+        _, err = first.communicate(timeout=60)
+    assert first.returncode == 0, err
+    assert len(lines(out)) == 20
+    contained()
+
+
+def test_concurrent_replays_sharing_a_cache_do_not_collide(
+    teacher_server, api_key, tmp_path, contained, trace_factory, jsonl_writer
+):
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 15))
+    cache = tmp_path / "cache"
+    runs = [_start_replay(teacher_server, traces, tmp_path / f"p{i}.jsonl", cache, api_key) for i in range(3)]
+    for run in runs:
+        _, err = run.communicate(timeout=60)
+        assert run.returncode == 0, err
+    outputs = {(tmp_path / f"p{i}.jsonl").read_bytes() for i in range(3)}
+    assert len(outputs) == 1
+    assert len(outputs.pop().splitlines()) == 30
+    entries = list(cache.rglob("*"))
+    assert not [p for p in entries if p.name.startswith(".")]  # no temporary file left behind
+    assert all(json.loads(p.read_text())["response"] for p in entries if p.is_file())
+    contained()
