@@ -42,8 +42,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from main_job.records import CHANNELS, JobSpec, ReplicaReport, read_record, write_record  # noqa: E402
-from main_job.tasks import DATA, load_demonstrations, load_tasks  # noqa: E402
+from main_job.records import CHANNELS, JobSpec, ReplicaReport, read_record, write_record
+from main_job.tasks import DATA, load_demonstrations, load_tasks
 
 __all__ = ["main", "parse_args"]
 
@@ -98,10 +98,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--quick", action="store_true", default=os.environ.get("CRF_QUICK") == "1",
         help="CI-sized wiring check (4 steps, 2 samples per held-out task); also CRF_QUICK=1")  # fmt: skip
     add("--channels", type=_channels, default=CHANNELS, help="comma-separated channels to train with (ablation)")
-    add("--steps", type=int, default=None, help="optimizer steps per replica (default 150; quick 4)")
+    add("--steps", type=int, default=None, help="optimizer steps per replica (default 300; quick 4)")
     add("--sync-every", type=int, default=None, help="inner steps per DiLoCo round (default 10; quick 2)")
     add("--replicas", type=int, default=2, help="DiLoCo replicas, one process each")
-    add("--executor", choices=("local", "ray"), default="local", help="how replica processes start (crf-diloco)")
+    add("--executor", choices=("local", "ray", "monarch"), default="local",
+        help="how replica processes start: crf-diloco's local or Ray executor, or Monarch actors (torchmonarch)")  # fmt: skip
     add("--store", default=None, help="fsspec URI of the object store (default: <output-dir>/store)")
     add("--storage-option", dest="storage_options", type=_storage_option, action="append", default=[],
         metavar="KEY=VALUE", help="fsspec option of --store, repeatable; VALUE is parsed as JSON when it is JSON")  # fmt: skip
@@ -113,14 +114,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--prompts-per-step", type=int, default=2, help="train prompts per step and replica")
     add("--generations", type=int, default=8, help="rollouts per prompt (GRPO group size)")
     add("--max-completion-length", type=int, default=12, help="tokens per rollout")
-    add("--lr", type=float, default=None, help="inner AdamW learning rate (default: tiny 5e-4, smollm2 1e-5)")
+    add("--lr", type=float, default=None, help="inner AdamW learning rate (default: tiny 1e-3, smollm2 1e-5)")
     add("--temperature", type=float, default=1.0, help="sampling temperature of rollouts and evaluation")
     add("--grpo-weight", type=float, default=1.0, help="weight of channel grpo when it is on")
     add("--sdpo-weight", type=float, default=1.0, help="weight of channel sdpo_jsd when it is on")
     add("--dpo-weight", type=float, default=0.2, help="weight of channel trace_replay_dpo when it is on")
     add("--sdpo-feedback", action=argparse.BooleanOptionalAction, default=None,
         help="let SDPO's teacher read the sandbox feedback (default: smollm2 yes; tiny no, it cannot read it)")  # fmt: skip
-    add("--warmup-steps", type=int, default=None, help="supervised warm-start steps (default: tiny 200, quick 20; smollm2 0)")
+    add("--warmup-steps", type=int, default=None, help="supervised warm-start steps (default: tiny 200, smollm2 0)")
     add("--warmup-lr", type=float, default=3e-3, help="warm-start learning rate")
     add("--eval-samples", type=int, default=None, help="completions per held-out task (default 16; quick 2)")
     add("--outer-lr", type=float, default=1.0, help="DiLoCo outer SGD lr (1.0 without momentum = averaging)")
@@ -135,10 +136,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if opts.replica:
         return opts
     tiny = opts.model == "tiny"
-    opts.steps = opts.steps or (4 if opts.quick else 150)
+    opts.steps = opts.steps or (4 if opts.quick else 300)
     opts.sync_every = opts.sync_every or (2 if opts.quick else 10)
-    opts.lr = opts.lr if opts.lr is not None else (5e-4 if tiny else 1e-5)
-    opts.warmup_steps = opts.warmup_steps if opts.warmup_steps is not None else ((20 if opts.quick else 200) if tiny else 0)
+    opts.lr = opts.lr if opts.lr is not None else (1e-3 if tiny else 1e-5)
+    opts.warmup_steps = opts.warmup_steps if opts.warmup_steps is not None else (200 if tiny else 0)
     opts.eval_samples = opts.eval_samples if opts.eval_samples is not None else (2 if opts.quick else 16)
     opts.sdpo_feedback = opts.sdpo_feedback if opts.sdpo_feedback is not None else not tiny
     for name in ("replicas", "steps", "sync_every", "prompts_per_step", "generations", "eval_samples"):
@@ -173,7 +174,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 # --------------------------------------------------------------------------- replicas
 class _Relay:
-    """Executor output callback: a replica's stdout to the terminal as ``[replica r] …``, every line to its log."""
+    """Executor output callback: a replica's stdout to the terminal, every line of it and its stderr to its log."""
 
     def __init__(self, output: Path, world_size: int) -> None:
         self._logs = [open(output / f"replica{r}.log", "a", encoding="utf-8") for r in range(world_size)]  # noqa: SIM115
@@ -183,7 +184,7 @@ class _Relay:
         with self._lock:
             self._logs[rank].write(f"{stream}: {line}\n")
             if stream == "stdout":
-                print(f"[replica {rank}] {line}", flush=True)
+                print(line, flush=True)
 
     def close(self) -> None:
         for log in self._logs:
@@ -191,7 +192,13 @@ class _Relay:
 
 
 def launch_replicas(opts: argparse.Namespace, job: Path, store: str) -> list[ReplicaReport]:
-    """Start one process per replica through crf-diloco's executor (``--executor``) and read their reports."""
+    """Start one process per replica (``--executor``) and read their reports."""
+    secret = {"CRF_DILOCO_SECRET": secrets.token_hex(32)}  # authenticates the run's store objects
+    if opts.executor == "monarch":
+        from main_job.monarch import run_monarch_replicas
+
+        run_monarch_replicas(job, opts.replicas, store, opts.run_id, secret)
+        return [read_record(ReplicaReport, job.parent / f"replica{r}.json") for r in range(opts.replicas)]
     from crf_diloco.executors import raise_for_failures, run_replicas
 
     executor: Any
@@ -213,7 +220,7 @@ def launch_replicas(opts: argparse.Namespace, job: Path, store: str) -> list[Rep
             world_size=opts.replicas,
             uri=store,
             run_id=opts.run_id,
-            env={"CRF_DILOCO_SECRET": secrets.token_hex(32)},  # authenticates the run's store objects
+            env=secret,
             on_output=relay,
             timeout=opts.replica_timeout,
         )
@@ -236,7 +243,6 @@ def main(argv: Sequence[str] | None = None) -> Any:
         return run_replica(Path(opts.replica))
 
     import torch
-
     from main_job.evaluate import Change, evaluate
     from main_job.policy import build_policy, load_policy, save_policy, warm_start
     from main_job.report import JobOutcome, plot, summary_markdown, summary_table
@@ -261,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     output = Path(opts.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     output.mkdir(parents=True, exist_ok=True)
     store = opts.store or str(output / "store")
+    store = store if "://" in store else str(Path(store).resolve())  # replicas may run elsewhere than this cwd
     channels = tuple(c for c in CHANNELS if opts.weights[c] > 0)
     print(
         f"crf main job: {' + '.join(channels)}; {opts.replicas} replica processes ({opts.executor} executor) x "
@@ -367,7 +374,9 @@ def main(argv: Sequence[str] | None = None) -> Any:
         identical_weights=len({r.weights_sha256 for r in replicas}) == 1,
         seconds=time.monotonic() - start,
         phases=phases,
-        load_average=" ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a",
+        load_average=" ".join(Path("/proc/loadavg").read_text().split()[:3])
+        if Path("/proc/loadavg").exists()
+        else "n/a",
         sandbox=sandbox,
     )
     print(summary_table(outcome), flush=True)

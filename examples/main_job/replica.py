@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def weights_digest(model: Any) -> str:
     return digest.hexdigest()
 
 
-def _progress(spec: JobSpec, history: list[StepRecord], manager: Any, allreduce: Any, start: float) -> Any:
+def _progress(spec: JobSpec, rank: int, history: list[StepRecord], manager: Any, allreduce: Any, start: float) -> Any:
     from transformers import TrainerCallback
 
     class Progress(TrainerCallback):
@@ -51,7 +52,7 @@ def _progress(spec: JobSpec, history: list[StepRecord], manager: Any, allreduce:
             history.append(record)
             parts = "  ".join(f"{c} {v:+.4f}" for c, v in losses.items())
             print(
-                f"step {record.step:>3}/{spec.steps}  reward {record.reward:.3f}  {parts}  "
+                f"[replica {rank}] step {record.step:>3}/{spec.steps}  reward {record.reward:.3f}  {parts}  "
                 f"rounds {record.rounds}  ({record.seconds:.0f} s)",
                 flush=True,
             )
@@ -65,14 +66,15 @@ def run_replica(job: Path) -> ReplicaReport:
     from datasets import Dataset
     from torchft.local_sgd import DiLoCo
     from transformers import PrinterCallback
+    from transformers.utils import logging as hf_logging
 
     from crf_core.rewards import UnitTestReward
     from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
     from crf_diloco import MockManager, ObjectStoreAllReduce
 
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
+    # TRL calls transformers' gradient-checkpointing helpers under their pre-v6 names; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
     start = time.monotonic()
     spec = read_record(JobSpec, job)
     torch.set_num_threads(spec.threads)
@@ -123,7 +125,7 @@ def run_replica(job: Path) -> ReplicaReport:
     trainer.remove_callback(PrinterCallback)  # the progress callback prints a compact line instead
     manager = MockManager(allreduce)
     history: list[StepRecord] = []
-    trainer.add_callback(_progress(spec, history, manager, allreduce, start))
+    trainer.add_callback(_progress(spec, rank, history, manager, allreduce, start))
     trainer.create_optimizer()
     policy: Any = trainer.model
     outer = torch.optim.SGD(

@@ -48,6 +48,14 @@ def window(steps: int) -> int:
     return max(1, steps // 5)
 
 
+def _span(values: Sequence[float], digits: int = 4) -> str:
+    """``"first -> last"`` over the `ends` of ``values``, or ``"n/a"`` when there are none."""
+    if not values:
+        return "n/a"
+    a, b = ends(values)
+    return f"{a:+.{digits}f} -> {b:+.{digits}f}"
+
+
 def ends(values: Sequence[float]) -> tuple[float, float]:
     """Mean over the first and the last `window` values (NaN for none)."""
     if not values:
@@ -69,9 +77,7 @@ def summary_table(outcome: JobOutcome) -> str:
     for r in outcome.replicas:
         first, last = ends([row.reward for row in r.history])
         cells = [str(r.rank), f"{first:.3f} -> {last:.3f}"]
-        for c in outcome.channels:
-            a, b = ends(_losses(r, c))
-            cells.append(f"{a:+.4f} -> {b:+.4f}")
+        cells += [_span(_losses(r, c)) for c in outcome.channels]
         cells += [str(r.rounds_committed), f"{(r.bytes_written + r.bytes_read) / 1e6:.2f}", f"{r.seconds:.0f}"]
         rows.append(cells)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
@@ -125,14 +131,13 @@ def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
         f"Rollout reward on the {outcome.train_tasks} train tasks (replica 0, mean over the first → last fifth of the "
         f"steps): {first:.3f} → {last:.3f}.",
         "",
-        "| replica | " + " | ".join(f"{c} loss (first → last fifth)" for c in outcome.channels) + " | rounds | MB synced |",
+        "| replica | "
+        + " | ".join(f"{c} loss (first → last fifth)" for c in outcome.channels)
+        + " | rounds | MB synced |",
         "|---" * (len(outcome.channels) + 3) + "|",
     ]
     for r in outcome.replicas:
-        cells = []
-        for c in outcome.channels:
-            a, b = ends(_losses(r, c))
-            cells.append(f"{a:+.4f} → {b:+.4f}")
+        cells = [_span(_losses(r, c)).replace("->", "→") for c in outcome.channels]
         mb = (r.bytes_written + r.bytes_read) / 1e6
         lines.append(f"| {r.rank} | " + " | ".join(cells) + f" | {r.rounds_committed} | {mb:.2f} |")
     same = "bit-identical" if outcome.identical_weights else "**different** (a round did not commit everywhere)"
