@@ -90,10 +90,15 @@ def _channels(text: str) -> tuple[str, ...]:
     return tuple(c for c in CHANNELS if c in names)
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None (those defaults depend on the model and are in the help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=_Defaults)
     add = parser.add_argument
     add("--quick", action="store_true", default=os.environ.get("CRF_QUICK") == "1",
         help="CI-sized wiring check (4 steps, 2 samples per held-out task); also CRF_QUICK=1")  # fmt: skip
@@ -136,15 +141,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if opts.replica:
         return opts
     tiny = opts.model == "tiny"
-    opts.steps = opts.steps or (4 if opts.quick else 300)
-    opts.sync_every = opts.sync_every or (2 if opts.quick else 10)
+    opts.steps = opts.steps if opts.steps is not None else (4 if opts.quick else 300)
+    opts.sync_every = opts.sync_every if opts.sync_every is not None else (2 if opts.quick else 10)
     opts.lr = opts.lr if opts.lr is not None else (1e-3 if tiny else 1e-5)
     opts.warmup_steps = opts.warmup_steps if opts.warmup_steps is not None else (200 if tiny else 0)
     opts.eval_samples = opts.eval_samples if opts.eval_samples is not None else (2 if opts.quick else 16)
     opts.sdpo_feedback = opts.sdpo_feedback if opts.sdpo_feedback is not None else not tiny
-    for name in ("replicas", "steps", "sync_every", "prompts_per_step", "generations", "eval_samples"):
+    for name in ("replicas", "steps", "sync_every", "prompts_per_step", "generations", "eval_samples",
+                 "max_completion_length"):  # fmt: skip
         if getattr(opts, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("lr", "warmup_lr", "temperature", "outer_lr", "sync_timeout", "sandbox_timeout", "replica_timeout"):
+        if not 0 < getattr(opts, name) < float("inf"):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(opts, name)}")
+    if not 0 <= opts.outer_momentum < 1:
+        parser.error(f"--outer-momentum must be in [0, 1), got {opts.outer_momentum}")
     if opts.generations < 2:
         parser.error("--generations must be >= 2 (GRPO compares rollouts within a group)")
     if opts.steps % opts.sync_every:

@@ -31,6 +31,15 @@ def _mean_se(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
+def _interval(mean: float, se: float) -> tuple[float, float]:
+    return mean - Z95 * se, mean + Z95 * se
+
+
+def _text(mean: float, se: float, spec: str) -> str:
+    lo, hi = _interval(mean, se)
+    return f"{mean:{spec}} [{lo:{spec}}, {hi:{spec}}]"
+
+
 @dataclass(frozen=True)
 class PassRate:
     """Per-task pass rates of one evaluation (``samples`` completions per task, tasks in a fixed order)."""
@@ -55,11 +64,11 @@ class PassRate:
 
     @property
     def interval(self) -> tuple[float, float]:
-        return self.mean - Z95 * self.se, self.mean + Z95 * self.se
+        return _interval(self.mean, self.se)
 
     def text(self) -> str:
-        lo, hi = self.interval
-        return f"{self.mean:.3f} [{lo:.3f}, {hi:.3f}]"
+        """``mean [low, high]``."""
+        return _text(self.mean, self.se, ".3f")
 
 
 @dataclass(frozen=True)
@@ -80,11 +89,11 @@ class Change:
 
     @property
     def interval(self) -> tuple[float, float]:
-        return self.mean - Z95 * self.se, self.mean + Z95 * self.se
+        return _interval(self.mean, self.se)
 
     def text(self) -> str:
-        lo, hi = self.interval
-        return f"{self.mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+        """``+mean [+low, +high]``."""
+        return _text(self.mean, self.se, "+.3f")
 
 
 def evaluate(

@@ -83,7 +83,8 @@ def load_policy(folder: Path, device: str = "cpu") -> tuple[Any, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.padding_side = "left"
-    return AutoModelForCausalLM.from_pretrained(folder).to(device), tokenizer
+    model: Any = AutoModelForCausalLM.from_pretrained(folder)
+    return model.to(device), tokenizer
 
 
 def warm_start(

@@ -121,6 +121,35 @@ def test_bad_task_files_are_refused_naming_the_line(tmp_path: Path) -> None:
         tasks.load_tasks(bad)
 
 
+def test_job_records_round_trip_and_refuse_wrong_fields(tmp_path: Path) -> None:
+    """``job.json`` is what a replica trusts: a missing or unknown field, or a schedule that does not end on a DiLoCo
+    round, is refused naming the problem."""
+    _load()
+    from main_job.records import JobSpec, read_record, write_record
+
+    spec = JobSpec(
+        output_dir="out", model_dir="m", train_tasks="t.jsonl", pairs=None, steps=20, sync_every=10,
+        prompts_per_step=2, generations=8, max_completion_length=12, lr=1e-3, temperature=1.0,
+        weights={"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}, sdpo_feedback=False, outer_lr=1.0,
+        outer_momentum=0.0, sync_timeout=60.0, storage_options={}, isolation="bwrap", sandbox_timeout=3.0, seed=0,
+        threads=1, device="cpu",
+    )  # fmt: skip
+    path = tmp_path / "job.json"
+    write_record(spec, path)
+    assert read_record(JobSpec, path) == spec
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "heldout_tasks": "tasks_heldout.jsonl"}))
+    with pytest.raises(ValueError, match="expected the fields"):
+        read_record(JobSpec, path)
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "seed"}))
+    with pytest.raises(ValueError, match="expected the fields"):
+        read_record(JobSpec, path)
+    with pytest.raises(ValueError, match="multiple of sync_every"):
+        JobSpec(**{**data, "steps": 15})
+    with pytest.raises(ValueError, match="exactly the channels"):
+        JobSpec(**{**data, "weights": {"grpo": 1.0}})
+
+
 # --------------------------------------------------------------------------- evaluation arithmetic
 def test_pass_rate_and_change_intervals() -> None:
     _load()
@@ -157,6 +186,11 @@ def test_channels_flag_and_bad_arguments() -> None:
         ["--generations", "1"],
         ["--replicas", "0"],
         ["--storage-option", "no-equals-sign"],
+        ["--steps", "0"],
+        ["--lr", "0"],
+        ["--temperature", "nan"],
+        ["--outer-momentum", "1"],
+        ["--max-completion-length", "0"],
     ):
         with pytest.raises(SystemExit):
             main.parse_args(argv)
