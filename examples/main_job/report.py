@@ -166,7 +166,7 @@ def _running_mean(values: Sequence[float], width: int) -> list[float]:
 
 
 def plot(outcome: JobOutcome, path: Path) -> None:
-    """The six-panel figure (see the module docstring), dashed lines at the DiLoCo rounds."""
+    """The six-panel figure (see the module docstring)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,10 +175,6 @@ def plot(outcome: JobOutcome, path: Path) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     rounds = range(outcome.sync_every, outcome.steps + 1, outcome.sync_every)
 
-    def syncs(ax: object) -> None:
-        for s in rounds:
-            ax.axvline(s, color="grey", linestyle="--", linewidth=0.5)  # type: ignore[attr-defined]
-
     ax = axes[0, 0]
     for r in outcome.replicas:
         xs = [row.step for row in r.history]
@@ -186,7 +182,6 @@ def plot(outcome: JobOutcome, path: Path) -> None:
         ax.plot(xs, ys, color=f"C{r.rank}", alpha=0.25, linewidth=0.8)
         width = window(len(ys))
         ax.plot(xs, _running_mean(ys, width), color=f"C{r.rank}", linewidth=2, label=f"replica {r.rank}")
-    syncs(ax)
     ax.set(title="rollout reward on train tasks (thick: running mean)", xlabel="step", ylim=(-0.02, 1.02))
     ax.legend(fontsize=8)
 
@@ -211,16 +206,18 @@ def plot(outcome: JobOutcome, path: Path) -> None:
             continue
         for r in outcome.replicas:
             points = [(row.step, row.losses[channel]) for row in r.history if channel in row.losses]
-            ax.plot([p[0] for p in points], [p[1] for p in points], color=f"C{r.rank}", label=f"replica {r.rank}")
-        syncs(ax)
-        ax.set(title=f"{channel} loss", xlabel="step")
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            ax.plot(xs, ys, color=f"C{r.rank}", alpha=0.25, linewidth=0.8)
+            ax.plot(xs, _running_mean(ys, window(len(ys))), color=f"C{r.rank}", linewidth=2, label=f"replica {r.rank}")
+        ax.set(title=f"{channel} loss (thick: running mean)", xlabel="step")
         ax.legend(fontsize=8)
 
     ax = axes[1, 2]
+    for s in rounds:
+        ax.axvline(s, color="grey", linestyle="--", linewidth=0.4)
     for r in outcome.replicas:
         ax.plot([row.step for row in r.history], [row.megabytes for row in r.history], color=f"C{r.rank}")
-        ax.plot([], [], color=f"C{r.rank}", label=f"replica {r.rank}: {r.rounds_committed} rounds")
-    syncs(ax)
+        ax.plot([], [], color=f"C{r.rank}", label=f"replica {r.rank}: {r.rounds_committed} rounds committed")
     ax.set(title="DiLoCo: MB through the object store (dashed: rounds)", xlabel="step", ylabel="MB written + read")
     ax.legend(fontsize=8)
 
