@@ -270,14 +270,17 @@ def test_main_job_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 @pytest.mark.timeout(900)
 def test_main_job_full(tmp_path: Path) -> None:
     """The README's run on its default seed learns what it is meant to: the held-out pass rate rises by at least
-    0.15 with its 95% interval above 0, within the 5-minute budget (the set-up of a fresh clone takes the rest)."""
+    0.15 with its 95% interval above 0, within the 5-minute budget (the set-up of a fresh clone takes the rest).
+
+    Measured (runs are deterministic for a seed): 0.401 -> 0.739, change +0.338 [+0.274, +0.401], 95-125 s on
+    2 shared cores; seeds 1 and 2 give +0.247 and +0.393 (benchmarks/main_job_ablation.py)."""
     start = time.monotonic()
     outcome = _load().main(["--output-dir", str(tmp_path)])
     elapsed = time.monotonic() - start
     assert elapsed < 270, elapsed
     for r in outcome.replicas:
-        assert len(r.history) == 150
-        assert r.rounds_committed == 15
+        assert len(r.history) == 300
+        assert r.rounds_committed == 30
     assert outcome.identical_weights
     change = outcome.change
     assert change.interval[0] > 0, change
