@@ -42,7 +42,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from main_job.records import CHANNELS, JobSpec, ReplicaReport, read_record, write_record
+from main_job.records import (
+    CHANNELS,
+    STORAGE_OPTIONS_ENV,
+    JobSpec,
+    ReplicaReport,
+    read_record,
+    write_record,
+)
 from main_job.tasks import DATA, load_demonstrations, load_tasks
 
 __all__ = ["main", "parse_args"]
@@ -185,6 +192,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return opts
 
 
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
+
+
+def redacted_command(argv: Sequence[str]) -> str:
+    """The command line for the report, with every ``--storage-option`` whose name suggests a credential shown as
+    ``NAME=***`` (``key=…``, ``secret=…``, ``token=…``, ``client_kwargs`` with a password, …)."""
+    out = ["python", "examples/composer_main.py"]
+    hide_next = False
+    for arg in argv:
+        if hide_next or arg.startswith("--storage-option="):
+            prefix = "--storage-option=" if arg.startswith("--storage-option=") else ""
+            name, _, value = arg.removeprefix(prefix).partition("=")
+            if any(word in (name + value).lower() for word in _SECRET_WORDS):
+                arg = f"{prefix}{name}=***"
+        hide_next = arg == "--storage-option"
+        out.append(arg)
+    return shlex.join(out)
+
+
 # --------------------------------------------------------------------------- replicas
 class _Relay:
     """Executor output callback: a replica's stdout to the terminal, every line of it and its stderr to its log."""
@@ -206,11 +232,14 @@ class _Relay:
 
 def launch_replicas(opts: argparse.Namespace, job: Path, store: str) -> list[ReplicaReport]:
     """Start one process per replica (``--executor``) and read their reports."""
-    secret = {"CRF_DILOCO_SECRET": secrets.token_hex(32)}  # authenticates the run's store objects
+    env = {
+        "CRF_DILOCO_SECRET": secrets.token_hex(32),  # authenticates the run's store objects
+        STORAGE_OPTIONS_ENV: json.dumps(opts.storage_options),  # may hold credentials: never written to disk
+    }
     if opts.executor == "monarch":
         from main_job.monarch import run_monarch_replicas
 
-        run_monarch_replicas(job, opts.replicas, store, opts.run_id, secret)
+        run_monarch_replicas(job, opts.replicas, store, opts.run_id, env)
         return [read_record(ReplicaReport, job.parent / f"replica{r}.json") for r in range(opts.replicas)]
     from crf_diloco.executors import raise_for_failures, run_replicas
 
@@ -233,7 +262,7 @@ def launch_replicas(opts: argparse.Namespace, job: Path, store: str) -> list[Rep
             world_size=opts.replicas,
             uri=store,
             run_id=opts.run_id,
-            env=secret,
+            env=env,
             on_output=relay,
             timeout=opts.replica_timeout,
         )
@@ -354,7 +383,6 @@ def main(argv: Sequence[str] | None = None) -> Any:
         outer_lr=opts.outer_lr,
         outer_momentum=opts.outer_momentum,
         sync_timeout=opts.sync_timeout,
-        storage_options=opts.storage_options,
         isolation=isolation,
         sandbox_timeout=opts.sandbox_timeout,
         seed=opts.seed,
@@ -372,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     phase("evaluation after")
 
     outcome = JobOutcome(
-        command=shlex.join(["python", "examples/composer_main.py", *(argv if argv is not None else sys.argv[1:])]),
+        command=redacted_command(argv if argv is not None else sys.argv[1:]),
         model=opts.model,
         executor=opts.executor,
         channels=channels,

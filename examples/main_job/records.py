@@ -2,7 +2,8 @@
 
 ``job.json`` (`JobSpec`) tells every replica what to train; each replica writes ``replica<rank>.json``
 (`ReplicaReport`). Rank, world size, store URI and run id are not here: the executor hands them to each
-replica in its environment (``crf_diloco.replica_env``), read by ``ObjectStoreAllReduce.from_env``.
+replica in its environment (``crf_diloco.replica_env``), read by ``ObjectStoreAllReduce.from_env``. Nor are
+the store's options, which may hold credentials: they travel in `STORAGE_OPTIONS_ENV`, never on disk.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["CHANNELS", "JobSpec", "ReplicaReport", "StepRecord", "read_record", "write_record"]
+__all__ = ["CHANNELS", "STORAGE_OPTIONS_ENV", "JobSpec", "ReplicaReport", "StepRecord", "read_record", "write_record"]
 
 CHANNELS = ("grpo", "sdpo_jsd", "trace_replay_dpo")
 """The trainer's channels, in the order the job reports them."""
+
+STORAGE_OPTIONS_ENV = "CRF_MAIN_JOB_STORAGE_OPTIONS"
+"""Environment variable holding the store's fsspec options as JSON (``--storage-option``), for the replicas."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,6 @@ class JobSpec:
     outer_lr: float
     outer_momentum: float
     sync_timeout: float
-    storage_options: dict[str, Any]
     isolation: str
     sandbox_timeout: float
     seed: int

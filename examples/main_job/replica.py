@@ -11,6 +11,8 @@ weights after the last round, which ``weights_sha256`` lets the launcher check).
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
 import time
 import warnings
@@ -18,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from main_job.policy import load_policy, save_policy
-from main_job.records import CHANNELS, JobSpec, ReplicaReport, StepRecord, read_record, write_record
+from main_job.records import (
+    CHANNELS,
+    STORAGE_OPTIONS_ENV,
+    JobSpec,
+    ReplicaReport,
+    StepRecord,
+    read_record,
+    write_record,
+)
 from main_job.tasks import load_tasks
 
 __all__ = ["run_replica", "weights_digest"]
@@ -80,7 +90,9 @@ def run_replica(job: Path) -> ReplicaReport:
     torch.set_num_threads(spec.threads)
     # Built first, with a probe write/read, so a wrong URI or missing credentials fail before training.
     allreduce = ObjectStoreAllReduce.from_env(
-        timeout=spec.sync_timeout, storage_options=spec.storage_options or None, preflight=True
+        timeout=spec.sync_timeout,
+        storage_options=json.loads(os.environ.get(STORAGE_OPTIONS_ENV) or "{}") or None,
+        preflight=True,
     )
     rank = allreduce.rank
     if spec.device == "cuda":

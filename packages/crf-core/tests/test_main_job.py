@@ -131,7 +131,7 @@ def test_job_records_round_trip_and_refuse_wrong_fields(tmp_path: Path) -> None:
         output_dir="out", model_dir="m", train_tasks="t.jsonl", pairs=None, steps=20, sync_every=10,
         prompts_per_step=2, generations=8, max_completion_length=12, lr=1e-3, temperature=1.0,
         weights={"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}, sdpo_feedback=False, outer_lr=1.0,
-        outer_momentum=0.0, sync_timeout=60.0, storage_options={}, isolation="bwrap", sandbox_timeout=3.0, seed=0,
+        outer_momentum=0.0, sync_timeout=60.0, isolation="bwrap", sandbox_timeout=3.0, seed=0,
         threads=1, device="cpu",
     )  # fmt: skip
     path = tmp_path / "job.json"
@@ -194,6 +194,18 @@ def test_channels_flag_and_bad_arguments() -> None:
     ):
         with pytest.raises(SystemExit):
             main.parse_args(argv)
+
+
+def test_report_command_hides_credentials() -> None:
+    main = _load()
+    argv = ["--store", "s3://b/p", "--storage-option", "endpoint_url=http://127.0.0.1:9", "--storage-option",
+            "secret=hunter2", "--storage-option=key=AKIA123", "--storage-option", 'client_kwargs={"aws_session_token": "t"}']  # fmt: skip
+    text = main.redacted_command(argv)
+    assert "endpoint_url=http://127.0.0.1:9" in text
+    for hidden in ("hunter2", "AKIA123", '"t"'):
+        assert hidden not in text
+    for shown in ("secret=***", "--storage-option=key=***", "client_kwargs=***"):
+        assert shown in text
 
 
 def test_storage_option_parsing() -> None:
@@ -335,3 +347,8 @@ def test_main_job_quick_s3(tmp_path: Path, moto_s3: dict[str, Any], capsys: pyte
     listed = moto_s3["client"].list_objects_v2(Bucket=moto_s3["bucket"], Prefix="runs/s3-quick/")
     assert listed.get("Contents"), "nothing was written under the run's prefix in the bucket"
     assert not (tmp_path / "store").exists()  # nothing fell back to the local folder
+    # The credentials reached the replicas through their environment, never the run folder.
+    assert "secret=***" in (tmp_path / "summary.md").read_text()
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".md", ".log"):
+            assert "testing" not in path.read_text(errors="replace"), path
