@@ -87,13 +87,22 @@ def summary_table(outcome: JobOutcome) -> str:
         return "|".join(f" {c:<{w}} " for c, w in zip(cells, widths, strict=True))
 
     change = outcome.change
-    verdict = "above noise" if change.interval[0] > 0 else "NOT above noise"
+    verdict = _verdict(change)
     held = (
         f"held-out pass rate ({outcome.heldout_tasks} tasks never trained on, {outcome.before.samples} samples each, "
         f"95% intervals): before RL {outcome.before.text()} -> after RL {outcome.after.text()}; "
         f"change {change.text()} ({verdict})"
     )
     return "\n".join([line, fmt(header), line, *(fmt(row) for row in rows), line, held])
+
+
+def _verdict(change: Change) -> str:
+    lo, hi = change.interval
+    if lo > 0:
+        return "a rise above noise"
+    if hi < 0:
+        return "a DROP beyond noise"
+    return "within noise"
 
 
 def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
@@ -124,7 +133,7 @@ def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
         f"| after RL | {outcome.after.mean:.3f} | [{outcome.after.interval[0]:.3f}, {outcome.after.interval[1]:.3f}] |",
         f"| change (paired by task) | {change.mean:+.3f} | [{lo:+.3f}, {hi:+.3f}] |",
         "",
-        "The change is " + ("above noise (its interval excludes 0)." if lo > 0 else "**not** above noise."),
+        f"The change is {_verdict(change)} (its 95% interval {'excludes' if lo > 0 or hi < 0 else 'includes'} 0).",
         "",
         "## Training",
         "",
