@@ -190,8 +190,9 @@ def tests(session: nox.Session, package: str, flavour: str) -> None:
 @nox.parametrize("python", [nox.param(p, id=p, tags=[f"py{p}"] + (["ci"] if p != CI_PYTHON else [])) for p in PYTHONS])
 def workspace(session: nox.Session) -> None:
     """Every package with every light extra in one environment, all suites together (CI: 3.10 and 3.12; 3.11 is
-    covered package by package by `tests`)."""
-    install(session, None, [])
+    covered package by package by `tests`). With the examples group, so the main job's CI-sized run (which needs
+    every package and matplotlib) runs here."""
+    install(session, None, [], groups=("test", "examples"))
     run_pytest(session, _tests_dirs(PACKAGES))
 
 
