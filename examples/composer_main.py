@@ -3,7 +3,7 @@ measured on coding tasks the policy never trained on.
 
 Run it from an environment with every crf package installed (``uv sync`` at the repository root)::
 
-    python examples/composer_main.py                    # the full run, about 3 minutes on 2 CPU cores
+    python examples/composer_main.py                    # the full run, about 2 minutes on 2 CPU cores
     python examples/composer_main.py --quick            # CI-sized wiring check, under a minute
     python examples/composer_main.py --channels grpo    # the ablation: GRPO alone at the same budget
 
