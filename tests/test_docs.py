@@ -62,3 +62,12 @@ def composer_config_fields() -> list[str]:
 def test_every_composer_config_field_is_documented(name: str) -> None:
     page = (ROOT / "docs/packages/crf-core-trainer.md").read_text(encoding="utf-8")
     assert f"| `{name}` |" in page, f"docs/packages/crf-core-trainer.md has no table row for ComposerConfig.{name}"
+
+
+def test_bug_report_section_keeps_the_seeds_rules() -> None:
+    """TROUBLESHOOTING's bug-report section keeps the seed's rules: no secrets, the failing test, regression or not,
+    one bug per report."""
+    text = (ROOT / "docs" / "TROUBLESHOOTING.md").read_text(encoding="utf-8")
+    section = text[text.index("## How to file a bug report") :].lower()
+    for rule in ("never paste api keys, tokens", "name the failing test", "whether it regressed", "one bug per report"):
+        assert rule in section, rule

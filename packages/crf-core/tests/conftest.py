@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -58,3 +62,18 @@ def bwrap() -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(message + " (CI=true: tests that need it must run)")
     pytest.skip(message)
+
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+@pytest.fixture
+def composer_main() -> ModuleType:
+    """``examples/composer_main.py`` as a module (loading it puts ``examples/`` on ``sys.path`` for ``main_job``)."""
+    spec = importlib.util.spec_from_file_location("composer_main", EXAMPLES / "composer_main.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["composer_main"] = module
+    spec.loader.exec_module(module)
+    return module

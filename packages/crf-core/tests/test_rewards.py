@@ -116,6 +116,31 @@ def test_unit_test_reward_scores_and_reports_feedback() -> None:
     assert feedback[3].startswith("The code does not run: SyntaxError")
 
 
+def test_identical_completions_in_one_call_run_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeated (program, tests) job runs one sandbox; every copy gets its score and its feedback."""
+    import crf_core.rewards.unit_tests as unit_tests
+
+    runs: list[str] = []
+    real = unit_tests.run_python
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        runs.append(kwargs["stdin"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(unit_tests, "run_python", counting)
+    logged: dict[str, list[Any]] = {}
+    prompts = ["def add(a, b):\n    return"] * 5
+    completions = [" a + b\n", " a\n", " a + b\n", " a\n", " a + b\n"]
+    other_tests = [*ADD_TESTS[:2], "assert add(2, 2) == 4"]
+    tests = [ADD_TESTS, ADD_TESTS, ADD_TESTS, ADD_TESTS, other_tests]  # the last row has other tests
+    scores = UnitTestReward(timeout_s=3.0)(
+        prompts, completions, tests=tests, log_extra=lambda k, v: logged.setdefault(k, v)
+    )
+    assert scores == [1.0, pytest.approx(1 / 3), 1.0, pytest.approx(1 / 3), 1.0]
+    assert len(runs) == 3  # (a + b, ADD_TESTS), (a, ADD_TESTS), (a + b, other_tests)
+    assert logged["feedback"][1] == logged["feedback"][3] != ""
+
+
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_honest_right_programs_score_one_and_wrong_ones_zero(task: str) -> None:
     right, wrong, tests = TASKS[task]

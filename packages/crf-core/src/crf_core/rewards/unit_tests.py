@@ -10,7 +10,8 @@ Reward: ``passed tests / total tests`` in [0, 1]; a test passes when all its ass
 abnormal (the program did not load, crashed the harness, timed out, was killed, or wrote a record
 that does not parse) scores 0. ``__call__`` never raises for anything a completion contains; it
 raises only for a malformed call or dataset (missing tests column, lengths that disagree, a test
-that cannot be split), before any code runs.
+that cannot be split), before any code runs. Within one call, identical (code, tests, entry point)
+jobs run once and share the outcome (a GRPO group or an evaluation often repeats a completion).
 
 Feedback for SDPO is built from the harness's record, never from the program's output beyond a
 bound: which tests failed, expected vs got, the exception and a bounded traceback; for crashes, the
@@ -180,9 +181,15 @@ class UnitTestReward:
                     raise TypeError("prepend_prompt=True needs plain-text prompts; set prepend_prompt=False for chat")
                 code = prompt + code
             programs.append(code)
+        # Identical (program, tests, entry point) jobs run once: a GRPO group or an evaluation often repeats a
+        # completion, and the verdict of a program on fixed tests does not depend on which row asked.
+        jobs = list(zip(programs, (tuple(t) for t in tests_per_row), entry_points, strict=True))
+        unique = list(dict.fromkeys(jobs))
         with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
-            jobs = zip(programs, tests_per_row, entry_points, strict=True)
-            outcomes = list(pool.map(lambda job: self.score(job[0], job[1], entry_point=job[2]), jobs))
+            verdicts = dict(
+                zip(unique, pool.map(lambda job: self.score(job[0], job[1], entry_point=job[2]), unique), strict=True)
+            )
+        outcomes = [verdicts[job] for job in jobs]
         log_extra: Callable[[str, list[Any]], None] | None = kwargs.get("log_extra")
         if log_extra is not None:
             log_extra(self.feedback_key, [o.feedback for o in outcomes])

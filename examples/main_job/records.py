@@ -1,0 +1,111 @@
+"""Typed records the launcher and the replica processes exchange as JSON files in the run folder.
+
+``job.json`` (`JobSpec`) tells every replica what to train; each replica writes ``replica<rank>.json``
+(`ReplicaReport`). Rank, world size, store URI and run id are not here: the executor hands them to each
+replica in its environment (``crf_diloco.replica_env``), read by ``ObjectStoreAllReduce.from_env``. Nor are
+the store's options, which may hold credentials: they travel in `STORAGE_OPTIONS_ENV`, never on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["CHANNELS", "STORAGE_OPTIONS_ENV", "JobSpec", "ReplicaReport", "StepRecord", "read_record", "write_record"]
+
+CHANNELS = ("grpo", "sdpo_jsd", "trace_replay_dpo")
+"""The trainer's channels, in the order the job reports them."""
+
+STORAGE_OPTIONS_ENV = "CRF_MAIN_JOB_STORAGE_OPTIONS"
+"""Environment variable holding the store's fsspec options as JSON (``--storage-option``), for the replicas."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every replica trains: the warm-started policy, the *train* tasks, the pairs and the schedule.
+
+    Held-out tasks are deliberately absent: a replica cannot read what it is never given.
+    """
+
+    output_dir: str
+    model_dir: str
+    train_tasks: str
+    pairs: str | None
+    steps: int
+    sync_every: int
+    prompts_per_step: int
+    generations: int
+    max_completion_length: int
+    lr: float
+    temperature: float
+    weights: dict[str, float]
+    sdpo_feedback: bool
+    outer_lr: float
+    outer_momentum: float
+    sync_timeout: float
+    isolation: str
+    sandbox_timeout: float
+    seed: int
+    threads: int
+    device: str
+
+    def __post_init__(self) -> None:
+        if sorted(self.weights) != sorted(CHANNELS):
+            raise ValueError(f"weights must name exactly the channels {CHANNELS}, got {sorted(self.weights)}")
+        if self.steps < 1 or self.sync_every < 1 or self.steps % self.sync_every:
+            raise ValueError(f"steps ({self.steps}) must be a positive multiple of sync_every ({self.sync_every})")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step of one replica: mean rollout reward, each active channel's loss, and DiLoCo so far."""
+
+    step: int
+    reward: float
+    losses: dict[str, float]
+    rounds: int
+    megabytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """How one replica's training went: its steps, DiLoCo rounds committed, bytes through the store,
+    wall time, and a SHA-256 of its final weights (equal on every replica after the last round)."""
+
+    rank: int
+    history: tuple[StepRecord, ...]
+    rounds_committed: int
+    bytes_written: int
+    bytes_read: int
+    seconds: float
+    weights_sha256: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ReplicaReport:
+        history = tuple(StepRecord(**row) for row in data["history"])
+        return cls(**{**data, "history": history})
+
+
+T = TypeVar("T", JobSpec, ReplicaReport)
+
+
+def write_record(record: JobSpec | ReplicaReport, path: Path) -> None:
+    """Write ``record`` as JSON, atomically (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(record), indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_record(cls: type[T], path: Path) -> T:
+    """Read a record `write_record` wrote; a missing or unknown field is an error naming the file."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    names = {f.name for f in fields(cls)}
+    if set(data) != names:
+        raise ValueError(f"{path}: expected the fields {sorted(names)}, got {sorted(data)}")
+    if cls is ReplicaReport:
+        return ReplicaReport.from_json(data)  # type: ignore[return-value]
+    return cls(**data)

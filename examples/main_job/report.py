@@ -1,0 +1,238 @@
+"""What the main job leaves in ``runs/<timestamp>/``: the terminal table, ``summary.md`` and ``composer_main.png``.
+
+The plot has six panels: the rollout reward per replica, the held-out pass rate before/after RL with its
+95% intervals, each channel's loss, and DiLoCo's rounds and megabytes through the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from main_job.evaluate import Change, PassRate
+from main_job.records import CHANNELS, ReplicaReport
+
+__all__ = ["JobOutcome", "plot", "summary_markdown", "summary_table", "window"]
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """Everything the report shows about one run."""
+
+    command: str
+    model: str
+    executor: str
+    channels: tuple[str, ...]
+    seed: int
+    steps: int
+    sync_every: int
+    heldout_tasks: int
+    train_tasks: int
+    before: PassRate
+    after: PassRate
+    replicas: tuple[ReplicaReport, ...]
+    identical_weights: bool
+    seconds: float
+    phases: dict[str, float]
+    load_average: str
+    sandbox: str
+
+    @property
+    def change(self) -> Change:
+        return Change.between(self.before, self.after)
+
+
+def window(steps: int) -> int:
+    """Steps averaged at each end of a curve: a fifth of the run (one step's rollouts are noisy)."""
+    return max(1, steps // 5)
+
+
+def _span(values: Sequence[float], digits: int = 4) -> str:
+    """``"first -> last"`` over the `ends` of ``values``, or ``"n/a"`` when there are none."""
+    if not values:
+        return "n/a"
+    a, b = ends(values)
+    return f"{a:+.{digits}f} -> {b:+.{digits}f}"
+
+
+def ends(values: Sequence[float]) -> tuple[float, float]:
+    """Mean over the first and the last `window` values (NaN for none)."""
+    if not values:
+        return float("nan"), float("nan")
+    n = window(len(values))
+    return sum(values[:n]) / n, sum(values[-n:]) / n
+
+
+def _losses(report: ReplicaReport, channel: str) -> list[float]:
+    return [row.losses[channel] for row in report.history if channel in row.losses]
+
+
+def summary_table(outcome: JobOutcome) -> str:
+    """One row per replica: reward and each channel's loss over the first → last fifth, rounds, MB, time."""
+    n = window(outcome.steps)
+    header = ["replica", f"reward (first {n} -> last {n} steps)"]
+    header += [f"{c} loss" for c in outcome.channels] + ["rounds", "MB synced", "time s"]
+    rows = []
+    for r in outcome.replicas:
+        first, last = ends([row.reward for row in r.history])
+        cells = [str(r.rank), f"{first:.3f} -> {last:.3f}"]
+        cells += [_span(_losses(r, c)) for c in outcome.channels]
+        cells += [str(r.rounds_committed), f"{(r.bytes_written + r.bytes_read) / 1e6:.2f}", f"{r.seconds:.0f}"]
+        rows.append(cells)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    line = "+".join("-" * (w + 2) for w in widths)
+
+    def fmt(cells: Sequence[str]) -> str:
+        return "|".join(f" {c:<{w}} " for c, w in zip(cells, widths, strict=True))
+
+    change = outcome.change
+    verdict = _verdict(change)
+    held = (
+        f"held-out pass rate ({outcome.heldout_tasks} tasks never trained on, {outcome.before.samples} samples each, "
+        f"95% intervals): before RL {outcome.before.text()} -> after RL {outcome.after.text()}; "
+        f"change {change.text()} ({verdict})"
+    )
+    return "\n".join([line, fmt(header), line, *(fmt(row) for row in rows), line, held])
+
+
+def _verdict(change: Change) -> str:
+    lo, hi = change.interval
+    if lo > 0:
+        return "a rise above noise"
+    if hi < 0:
+        return "a DROP beyond noise"
+    return "within noise"
+
+
+def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
+    """The short report beside the plot."""
+    change = outcome.change
+    lo, hi = change.interval
+    r0 = outcome.replicas[0]
+    first, last = ends([row.reward for row in r0.history])
+    lines = [
+        "# crf main job",
+        "",
+        f"`{outcome.command}`",
+        "",
+        f"Model `{outcome.model}`, channels {' + '.join(outcome.channels)}, seed {outcome.seed}; "
+        f"{len(outcome.replicas)} replicas as separate processes ({outcome.executor} executor), "
+        f"{outcome.steps} steps each, DiLoCo round every {outcome.sync_every} steps.",
+        "",
+        f"## Held-out pass rate: {outcome.before.mean:.3f} → {outcome.after.mean:.3f} ({change.mean:+.3f})",
+        "",
+        f"{outcome.heldout_tasks} held-out tasks (never in the train tasks, the warm-start demonstrations, the traces "
+        f"or the DPO pairs), {outcome.before.samples} sampled completions each; a completion passes when it passes "
+        "every unit test. 95% intervals with the task as the unit.",
+        "",
+        "| | pass rate | 95% interval |",
+        "|---|---|---|",
+        f"| before RL (warm start only) | {outcome.before.mean:.3f} | "
+        f"[{outcome.before.interval[0]:.3f}, {outcome.before.interval[1]:.3f}] |",
+        f"| after RL | {outcome.after.mean:.3f} | [{outcome.after.interval[0]:.3f}, {outcome.after.interval[1]:.3f}] |",
+        f"| change (paired by task) | {change.mean:+.3f} | [{lo:+.3f}, {hi:+.3f}] |",
+        "",
+        f"The change is {_verdict(change)} (its 95% interval {'excludes' if lo > 0 or hi < 0 else 'includes'} 0).",
+        "",
+        "## Training",
+        "",
+        f"Rollout reward on the {outcome.train_tasks} train tasks (replica 0, mean over the first → last fifth of the "
+        f"steps): {first:.3f} → {last:.3f}.",
+        "",
+        "| replica | "
+        + " | ".join(f"{c} loss (first → last fifth)" for c in outcome.channels)
+        + " | rounds | MB synced |",
+        "|---" * (len(outcome.channels) + 3) + "|",
+    ]
+    for r in outcome.replicas:
+        cells = [_span(_losses(r, c)).replace("->", "→") for c in outcome.channels]
+        mb = (r.bytes_written + r.bytes_read) / 1e6
+        lines.append(f"| {r.rank} | " + " | ".join(cells) + f" | {r.rounds_committed} | {mb:.2f} |")
+    same = "bit-identical" if outcome.identical_weights else "**different** (a round did not commit everywhere)"
+    phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in outcome.phases.items())
+    lines += [
+        "",
+        f"Replicas' final weights: {same}.",
+        "",
+        f"Wall time {outcome.seconds:.0f} s ({phases}); load average at the end: {outcome.load_average}.",
+        "",
+        outcome.sandbox,
+        "",
+        f"![curves]({plot_name})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _running_mean(values: Sequence[float], width: int) -> list[float]:
+    """Trailing mean over the last ``width`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - width] if i >= width else 0.0)
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def plot(outcome: JobOutcome, path: Path) -> None:
+    """The six-panel figure (see the module docstring)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    rounds = range(outcome.sync_every, outcome.steps + 1, outcome.sync_every)
+
+    ax = axes[0, 0]
+    for r in outcome.replicas:
+        xs = [row.step for row in r.history]
+        ys = [row.reward for row in r.history]
+        ax.plot(xs, ys, color=f"C{r.rank}", alpha=0.25, linewidth=0.8)
+        width = window(len(ys))
+        ax.plot(xs, _running_mean(ys, width), color=f"C{r.rank}", linewidth=2, label=f"replica {r.rank}")
+    ax.set(title="rollout reward on train tasks (thick: running mean)", xlabel="step", ylim=(-0.02, 1.02))
+    ax.legend(fontsize=8)
+
+    ax = axes[0, 1]
+    change = outcome.change
+    means = [outcome.before.mean, outcome.after.mean]
+    errors = [[m - rate.interval[0] for m, rate in zip(means, (outcome.before, outcome.after), strict=True)]]
+    errors.append([rate.interval[1] - m for m, rate in zip(means, (outcome.before, outcome.after), strict=True)])
+    ax.bar(["before RL", "after RL"], means, yerr=errors, capsize=8, color=["#999999", "#2a7ab9"])
+    for x, m in enumerate(means):
+        ax.text(x, m / 2, f"{m:.3f}", ha="center", color="white", fontweight="bold")
+    ax.set(
+        title=f"held-out pass rate ({outcome.heldout_tasks} unseen tasks), 95% CI",
+        ylim=(0, 1),
+        xlabel=f"change {change.text()}",
+    )
+
+    for ax, channel in zip((axes[0, 2], axes[1, 0], axes[1, 1]), CHANNELS, strict=True):
+        if channel not in outcome.channels:
+            ax.text(0.5, 0.5, f"{channel}: off in this run", ha="center", va="center", transform=ax.transAxes)
+            ax.set(title=f"{channel} loss", xticks=[], yticks=[])
+            continue
+        for r in outcome.replicas:
+            points = [(row.step, row.losses[channel]) for row in r.history if channel in row.losses]
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            ax.plot(xs, ys, color=f"C{r.rank}", alpha=0.25, linewidth=0.8)
+            ax.plot(xs, _running_mean(ys, window(len(ys))), color=f"C{r.rank}", linewidth=2, label=f"replica {r.rank}")
+        ax.set(title=f"{channel} loss (thick: running mean)", xlabel="step")
+        ax.legend(fontsize=8)
+
+    ax = axes[1, 2]
+    for s in rounds:
+        ax.axvline(s, color="grey", linestyle="--", linewidth=0.4)
+    for r in outcome.replicas:
+        ax.plot([row.step for row in r.history], [row.megabytes for row in r.history], color=f"C{r.rank}")
+        ax.plot([], [], color=f"C{r.rank}", label=f"replica {r.rank}: {r.rounds_committed} rounds committed")
+    ax.set(title="DiLoCo: MB through the object store (dashed: rounds)", xlabel="step", ylabel="MB written + read")
+    ax.legend(fontsize=8)
+
+    fig.suptitle(
+        f"crf main job: {' + '.join(outcome.channels)}, {len(outcome.replicas)} DiLoCo replicas, seed {outcome.seed}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,205 @@
+"""The main job's data and plumbing (``examples/main_job``), without training: training never sees a held-out
+task, task files and job records are checked, intervals are right, bad arguments are refused, credentials stay
+out of the report. Needs only crf-core, so it runs in every crf-core session."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def tasks(composer_main: ModuleType) -> ModuleType:
+    import main_job.tasks
+
+    return main_job.tasks
+
+
+# --------------------------------------------------------------------------- training never sees held-out tasks
+def test_heldout_tasks_share_no_instance_with_anything_training_reads(tasks: ModuleType) -> None:
+    """Structural: no held-out (template, k), name, prompt or solution occurs in the train tasks, the warm-start
+    demonstrations or the recorded traces; every split side covers every template."""
+    train = tasks.load_tasks(tasks.DATA / "tasks_train.jsonl")
+    heldout = tasks.load_tasks(tasks.DATA / "tasks_heldout.jsonl")
+    demos = tasks.load_demonstrations(tasks.DATA / "demonstrations.jsonl")
+    traces = [json.loads(line) for line in (tasks.DATA / "traces.jsonl").read_text().splitlines()]
+    assert (len(train), len(heldout)) == (168, 60)
+    assert {(t.template, t.k) for t in train}.isdisjoint({(t.template, t.k) for t in heldout})
+    assert {t.template for t in train} == {t.template for t in heldout} == {t.stem for t in tasks.TEMPLATES}
+    assert {t.prompt for t in heldout}.isdisjoint({t.prompt for t in train} | {d.prompt for d in demos})
+    assert {d.task for d in demos} <= {t.name for t in train}
+    assert all(d.completion == next(t.solution for t in train if t.name == d.task) for d in demos)
+    assert {tr["meta"]["task"] for tr in traces} <= {t.name for t in train}
+    trace_texts = [m["content"] for tr in traces for m in tr["messages"]]
+    tasks.check_unseen(
+        heldout,
+        {
+            "train tasks": [x for t in train for x in (t.prompt, t.solution, *t.tests)],
+            "demonstrations": [x for d in demos for x in (d.prompt, d.completion)],
+            "traces": trace_texts,
+        },
+    )
+
+
+def test_shipped_data_is_what_the_generator_writes(tasks: ModuleType, tmp_path: Path) -> None:
+    """The files under examples/data are ``write_data()``'s output, so the split above is the documented one."""
+    tasks.write_data(tmp_path)
+    for name in ("tasks_train.jsonl", "tasks_heldout.jsonl", "demonstrations.jsonl", "traces.jsonl"):
+        assert (tmp_path / name).read_bytes() == (tasks.DATA / name).read_bytes(), name
+
+
+def test_each_task_is_passed_by_its_reference_and_by_no_other_body_of_the_family(tasks: ModuleType) -> None:
+    """The tests decide: each reference solution passes all of its task's tests, and the body of every other
+    instance (another operation, another constant) fails at least one (checked in-process: the bodies are ours)."""
+    family = tasks.build_family()
+    for task in family:
+        scope: dict[str, Any] = {}
+        calls = [compile(test.removeprefix("assert ").split(" == ")[0], "<test>", "eval") for test in task.tests]
+        expected = [eval(test.split(" == ")[1]) for test in task.tests]
+        passing = []
+        for body in {t.solution for t in family}:
+            exec(task.prompt + body, scope)
+            if [eval(call, scope) for call in calls] == expected:
+                passing.append(body)
+        assert passing == [task.solution], (task.name, passing)
+
+
+def test_check_unseen_catches_a_leak_by_name_or_prompt(tasks: ModuleType) -> None:
+    heldout = tasks.load_tasks(tasks.DATA / "tasks_heldout.jsonl")
+    leaked = heldout[3]
+    with pytest.raises(ValueError, match=rf"held-out task '{leaked.name}' occurs in the DPO pairs"):
+        tasks.check_unseen(heldout, {"DPO pairs": ["x", f"assert {leaked.name}(1) == 2"]})
+    with pytest.raises(ValueError, match="occurs in the demonstrations"):
+        tasks.check_unseen(heldout, {"demonstrations": [leaked.prompt]})
+    longer = f"{leaked.name}0"  # add_17 must not match add_170
+    tasks.check_unseen([leaked], {"train tasks": [f"def {longer}(x):"]})
+
+
+def test_bad_task_files_are_refused_naming_the_line(tasks: ModuleType, tmp_path: Path) -> None:
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text('{"name": "add_2", "prompt": "p"}\n')
+    with pytest.raises(ValueError, match=r"tasks.jsonl:1: task 'add_2' lacks \['k', 'solution', 'template', 'tests'\]"):
+        tasks.load_tasks(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match=r"tasks\.jsonl:1 is not valid JSON"):
+        tasks.load_tasks(bad)
+    bad.write_text("")
+    with pytest.raises(ValueError, match="holds no tasks"):
+        tasks.load_tasks(bad)
+
+
+def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleType, tmp_path: Path) -> None:
+    """``job.json`` is what a replica trusts: a missing or unknown field, or a schedule that does not end on a DiLoCo
+    round, is refused naming the problem."""
+    from main_job.records import JobSpec, read_record, write_record
+
+    spec = JobSpec(
+        output_dir="out", model_dir="m", train_tasks="t.jsonl", pairs=None, steps=20, sync_every=10,
+        prompts_per_step=2, generations=8, max_completion_length=12, lr=1e-3, temperature=1.0,
+        weights={"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}, sdpo_feedback=False, outer_lr=1.0,
+        outer_momentum=0.0, sync_timeout=60.0, isolation="bwrap", sandbox_timeout=3.0, seed=0,
+        threads=1, device="cpu",
+    )  # fmt: skip
+    path = tmp_path / "job.json"
+    write_record(spec, path)
+    assert read_record(JobSpec, path) == spec
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "heldout_tasks": "tasks_heldout.jsonl"}))
+    with pytest.raises(ValueError, match="expected the fields"):
+        read_record(JobSpec, path)
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "seed"}))
+    with pytest.raises(ValueError, match="expected the fields"):
+        read_record(JobSpec, path)
+    with pytest.raises(ValueError, match="multiple of sync_every"):
+        JobSpec(**{**data, "steps": 15})
+    with pytest.raises(ValueError, match="exactly the channels"):
+        JobSpec(**{**data, "weights": {"grpo": 1.0}})
+
+
+# --------------------------------------------------------------------------- evaluation arithmetic
+def test_pass_rate_and_change_intervals(composer_main: ModuleType) -> None:
+    from main_job.evaluate import Z95, Change, PassRate
+
+    before = PassRate(("a", "b", "c", "d"), (0.0, 0.5, 0.5, 1.0), samples=2)
+    after = PassRate(("a", "b", "c", "d"), (0.5, 1.0, 0.5, 1.0), samples=2)
+    assert before.mean == 0.5
+    assert before.se == pytest.approx(math.sqrt(1 / 6 / 4))
+    change = Change.between(before, after)
+    assert change.mean == pytest.approx(0.25)
+    assert change.se == pytest.approx(math.sqrt(1 / 12 / 4))  # differences 0.5, 0.5, 0, 0
+    assert change.interval == pytest.approx((0.25 - Z95 * change.se, 0.25 + Z95 * change.se))
+    with pytest.raises(ValueError, match="same tasks"):
+        Change.between(before, PassRate(("a", "b", "c", "e"), after.per_task, samples=2))
+    with pytest.raises(ValueError, match="one rate per task"):
+        PassRate(("a",), (0.1, 0.2), samples=1)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        PassRate(("a",), (1.5,), samples=1)
+
+
+# --------------------------------------------------------------------------- arguments
+def test_channels_flag_and_bad_arguments(composer_main: ModuleType) -> None:
+    main = composer_main
+    assert main.parse_args([]).weights == {"grpo": 1.0, "sdpo_jsd": 1.0, "trace_replay_dpo": 0.2}
+    opts = main.parse_args(["--channels", "grpo"])
+    assert opts.weights == {"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}
+    assert main.parse_args(["--channels", "trace_replay_dpo, grpo"]).channels == ("grpo", "trace_replay_dpo")
+    for argv in (
+        ["--channels", "ppo"],
+        ["--channels", ","],
+        ["--steps", "15", "--sync-every", "10"],
+        ["--channels", "grpo", "--grpo-weight", "0"],
+        ["--generations", "1"],
+        ["--replicas", "0"],
+        ["--storage-option", "no-equals-sign"],
+        ["--steps", "0"],
+        ["--lr", "0"],
+        ["--temperature", "nan"],
+        ["--outer-momentum", "1"],
+        ["--max-completion-length", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            main.parse_args(argv)
+
+
+def test_report_command_hides_credentials(composer_main: ModuleType) -> None:
+    main = composer_main
+    argv = ["--store", "s3://b/p", "--storage-option", "endpoint_url=http://127.0.0.1:9", "--storage-option",
+            "secret=hunter2", "--storage-option=key=AKIA123", "--storage-option", 'client_kwargs={"aws_session_token": "t"}']  # fmt: skip
+    text = main.redacted_command(argv)
+    assert "endpoint_url=http://127.0.0.1:9" in text
+    for hidden in ("hunter2", "AKIA123", '"t"'):
+        assert hidden not in text
+    for shown in ("secret=***", "--storage-option=key=***", "client_kwargs=***"):
+        assert shown in text
+
+
+def test_storage_option_parsing(composer_main: ModuleType) -> None:
+    main = composer_main
+    opts = main.parse_args(
+        ["--storage-option", "endpoint_url=http://127.0.0.1:9", "--storage-option", 'client_kwargs={"a": 1}']
+    )
+    assert opts.storage_options == {"endpoint_url": "http://127.0.0.1:9", "client_kwargs": {"a": 1}}
+
+
+def test_main_job_falls_back_to_rlimits_and_says_so(
+    composer_main: ModuleType, tasks: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine without bubblewrap the job still runs, isolating with resource limits only, and prints that."""
+    import crf_core.rewards.sandbox as sandbox
+
+    main = composer_main
+    monkeypatch.setattr(sandbox, "find_bwrap", lambda: None)
+    assert main.sandbox_isolation() == "rlimits"
+    line = main.describe_sandbox()
+    assert line.startswith("sandbox: rlimits only")
+    assert "`bubblewrap`" in line
+    task = tasks.load_tasks(tasks.DATA / "tasks_train.jsonl")[0]
+    from crf_core.rewards import UnitTestReward
+
+    reward = UnitTestReward(isolation=main.sandbox_isolation())
+    assert reward([task.prompt], [task.solution], tests=[list(task.tests)]) == [1.0]
