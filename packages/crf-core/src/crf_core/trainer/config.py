@@ -206,9 +206,12 @@ class ComposerConfig(GRPOConfig):
     trace_replay_path: str | None = field(
         default=None,
         metadata={
-            "help": "JSONL file of DPO pair records written by crf-replaysim (normalised records with flat "
-            "`prompt`/`chosen`/`rejected` strings)."
+            "help": "JSONL pair file read through crf-replaysim's schema-checked reader: its records (schema 1.x) "
+            "or TRL's standard/conversational preference rows. Bad lines are skipped and reported by line number."
         },
+    )
+    trace_replay_strict: bool = field(
+        default=False, metadata={"help": "Fail on the first bad line of trace_replay_path instead of skipping it."}
     )
     dpo_variant: str = field(
         default="sigmoid",

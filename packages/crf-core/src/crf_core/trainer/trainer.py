@@ -490,7 +490,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 "trace-replay pairs were given but trace_replay_dpo_weight=0, so they would be ignored; "
                 "set trace_replay_dpo_weight > 0 or drop the pairs"
             )
-        records = _read_pairs(source)
+        records = _read_pairs(source, strict=cfg.trace_replay_strict)
         tokenizer = getattr(self._processor, "tokenizer", self._processor)
         self._pairs = tokenize_pairs(records, tokenizer, cfg.trace_replay_max_length)
         self.pair_cursor = PairCursor(
@@ -638,10 +638,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 self.load_channel_state(state)
 
 
-def _read_pairs(source: Any) -> list[dict[str, Any]]:
-    """Pair records from a crf-replaysim JSONL file (schema-checked) or an iterable of mappings."""
+def _read_pairs(source: Any, *, strict: bool) -> list[dict[str, Any]]:
+    """Pair records from a crf-replaysim pair file (schema-checked) or an iterable of mappings."""
     if isinstance(source, (str, os.PathLike)):
         from crf_core.trainer.pair_files import read_pair_file
 
-        return check_pair_records(read_pair_file(source))
+        return check_pair_records(read_pair_file(source, strict=strict))
     return check_pair_records(source)
