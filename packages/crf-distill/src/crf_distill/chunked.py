@@ -253,7 +253,7 @@ class _ChunkedFused(torch.autograd.Function):
     """Outputs ``(total, value_1, …, value_K)``; see :func:`chunked_fused_loss`."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,

@@ -98,7 +98,7 @@ def _selected(active: torch.Tensor | None, start: int, stop: int) -> torch.Tenso
 
 class _ChunkedHeadScores(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,

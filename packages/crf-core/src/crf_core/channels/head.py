@@ -95,7 +95,7 @@ def _separation(causal_lm: Any) -> tuple[Any, torch.nn.Linear | None, str | None
         return None, None, "the model has no get_decoder()/get_output_embeddings() (not a Hugging Face causal LM)"
     if type(head) is not torch.nn.Linear:
         return None, None, f"its lm_head is a {type(head).__name__}, not a plain nn.Linear (e.g. a PEFT adapter on it)"
-    config = getattr(causal_lm, "config", None)
+    config: Any = getattr(causal_lm, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "final_logit_softcapping", None) is not None:
         return None, None, "it soft-caps its logits (final_logit_softcapping)"
@@ -254,16 +254,16 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def _forward_replaced(module: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> Iterator[None]:
     """Make ``module(...)`` run ``fn`` for the duration (an instance-level forward, restored afterwards)."""
-    had = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
-    module.forward = fn  # type: ignore[method-assign]
+    instance = module.__dict__
+    had, previous = "forward" in instance, instance.get("forward")
+    instance["forward"] = fn
     try:
         yield
     finally:
         if had:
-            module.forward = previous  # type: ignore[method-assign]
+            instance["forward"] = previous
         else:
-            del module.forward
+            del instance["forward"]
 
 
 def logits_source(logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowSource:
