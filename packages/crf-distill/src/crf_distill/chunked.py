@@ -26,7 +26,17 @@ from typing import Any
 import torch
 
 from crf_distill._checks import check_float_tensor, check_mask
-from crf_distill.head_scores import RowTerm, accumulate_head_grads, head_logits, head_scores, weighted_vjp
+from crf_distill.head_scores import (
+    RowTerm,
+    accumulate_head_grads,
+    check_chunk_size,
+    check_head,
+    check_row_terms,
+    check_temperature,
+    head_logits,
+    head_scores,
+    weighted_vjp,
+)
 from crf_distill.logprobs import compute_dtype
 
 __all__ = [
@@ -41,25 +51,6 @@ __all__ = [
 
 PerTokenLoss = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
 """``fn(student_logits (n, V), teacher_logits (n, V) or None, rows (n,) index tensor) -> (n,)``."""
-
-
-def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefix: str = "") -> None:
-    check_float_tensor(f"{prefix}hidden", hidden, ndim=2)
-    check_float_tensor(f"{prefix}weight", weight, ndim=2)
-    if weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"`{prefix}weight` must be (V, H={hidden.shape[1]}) like nn.Linear.weight of the lm_head, "
-            f"got {tuple(weight.shape)}"
-        )
-    if bias is not None:
-        check_float_tensor(f"{prefix}bias", bias, ndim=1)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"`{prefix}bias` must be (V={weight.shape[0]},), got {tuple(bias.shape)}")
-
-
-def _check_chunk(chunk_size: int) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
 
 
 def chunked_token_logprobs(
@@ -82,7 +73,7 @@ def chunked_token_logprobs(
     Returns:
         ``(N,)`` float32 (float64 for float64 hidden) log-probs, differentiable w.r.t. hidden/weight/bias.
     """
-    _check_chunk(chunk_size)
+    check_chunk_size(chunk_size, optional=False)
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"`labels` must be a torch.Tensor of token ids, got {type(labels).__name__}")
     ignored = labels == ignore_index if ignore_index is not None else torch.zeros_like(labels, dtype=torch.bool)
@@ -138,7 +129,7 @@ def _teacher_source(
         return None
     if teacher_weight is None:
         raise ValueError("`teacher_hidden` needs `teacher_weight` (the teacher lm_head weight, (V, H))")
-    _check_head(teacher_hidden, teacher_weight, teacher_bias, prefix="teacher_")
+    check_head(teacher_hidden, teacher_weight, teacher_bias, prefix="teacher_")
     if teacher_hidden.shape[0] != n or teacher_weight.shape[0] != vocab:
         raise ValueError(
             f"teacher rows/vocab ({teacher_hidden.shape[0]}, {teacher_weight.shape[0]}) must match the student's ({n}, {vocab})"
@@ -180,8 +171,8 @@ def chunked_fused_loss(
         ``(total, values)``: ``total`` is a differentiable 0-d tensor (gradient precomputed in the forward; no
         double backward); ``values[k] = Σ_r weights_k[r]·ℓ_k(r)`` is differentiable too (recomputed on demand).
     """
-    _check_head(hidden, weight, bias)
-    _check_chunk(chunk_size)
+    check_head(hidden, weight, bias)
+    check_chunk_size(chunk_size, optional=False)
     n, vocab = hidden.shape[0], weight.shape[0]
     if not terms:
         raise ValueError("`terms` is empty; pass at least one ChunkTerm")
@@ -226,16 +217,14 @@ def chunked_weighted_sums(
     Returns:
         ``(total, values)``, all differentiable 0-d tensors (no double backward).
     """
-    _check_head(hidden, weight, bias)
-    _check_chunk(chunk_size)
+    check_head(hidden, weight, bias)
+    check_chunk_size(chunk_size, optional=False)
     if not (len(terms) == len(weights) == len(scales)) or not terms:
         raise ValueError("pass one weights tensor and one scale per term, and at least one term")
-    for k, (term, w) in enumerate(zip(terms, weights, strict=True)):
-        if not isinstance(term, RowTerm):
-            raise TypeError(f"`terms[{k}]` must be a RowTerm, got {type(term).__name__}")
+    check_row_terms(terms, hidden.shape[0])
+    for k, w in enumerate(weights):
         check_mask(f"weights[{k}]", w, hidden.shape[:1])
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"`temperature` must be a float > 0, got {temperature!r}")
+    check_temperature(temperature)
     out = _ChunkedFused.apply(
         hidden,
         weight,
@@ -391,7 +380,7 @@ def chunked_distillation_loss(
     Returns:
         0-d tensor equal to ``aggregate(per_token_fn(h W^T + b, teacher, :), mask, "token_mean")``.
     """
-    _check_head(hidden, weight, bias)
+    check_head(hidden, weight, bias)
     check_mask("mask", mask, hidden.shape[:1])
     if (teacher_logits is None) == (teacher_hidden is None):
         raise ValueError("pass exactly one of `teacher_logits` (N, V) or `teacher_hidden` (N, H) + `teacher_weight`")

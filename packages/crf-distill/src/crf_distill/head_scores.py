@@ -252,35 +252,42 @@ def accumulate_head_grads(
         grad_b.add_(dz.sum(0))
 
 
-def _check_inputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    terms: Sequence[RowTerm],
-    temperature: float,
-    chunk_size: int | None,
-) -> None:
-    check_float_tensor("hidden", hidden, ndim=2)
-    check_float_tensor("weight", weight, ndim=2)
+def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prefix: str = "") -> None:
+    """``hidden`` ``(N, H)``, ``weight`` ``(V, H)`` like ``nn.Linear.weight`` and an optional ``bias`` ``(V,)``."""
+    check_float_tensor(f"{prefix}hidden", hidden, ndim=2)
+    check_float_tensor(f"{prefix}weight", weight, ndim=2)
     if weight.shape[1] != hidden.shape[1]:
         raise ValueError(
-            f"`weight` must be (V, H={hidden.shape[1]}) like nn.Linear.weight of the lm_head, got {tuple(weight.shape)}"
+            f"`{prefix}weight` must be (V, H={hidden.shape[1]}) like nn.Linear.weight of the lm_head, "
+            f"got {tuple(weight.shape)}"
         )
     if bias is not None:
-        check_float_tensor("bias", bias, ndim=1)
+        check_float_tensor(f"{prefix}bias", bias, ndim=1)
         if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"`bias` must be (V={weight.shape[0]},), got {tuple(bias.shape)}")
-    check_index_tensor("labels", labels, shape=hidden.shape[:1], upper=weight.shape[0])
+            raise ValueError(f"`{prefix}bias` must be (V={weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def check_row_terms(terms: Sequence[RowTerm], rows: int) -> None:
+    """Every term is a :class:`RowTerm` whose ``active`` mask (if any) covers ``rows`` rows."""
     for k, term in enumerate(terms):
         if not isinstance(term, RowTerm):
             raise TypeError(f"`terms[{k}]` must be a RowTerm, got {type(term).__name__}")
         if term.active is not None:
-            check_mask(f"terms[{k}].active", term.active, hidden.shape[:1])
+            check_mask(f"terms[{k}].active", term.active, (rows,))
+
+
+def check_temperature(temperature: float) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"`temperature` must be a float > 0, got {temperature!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"`chunk_size` must be a positive int (rows per chunk) or None, got {chunk_size!r}")
+
+
+def check_chunk_size(chunk_size: int | None, *, optional: bool) -> None:
+    """A positive int of rows per chunk (or None when ``optional``: materialise)."""
+    if chunk_size is None and optional:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        extra = " or None" if optional else ""
+        raise ValueError(f"`chunk_size` must be a positive int (rows per chunk){extra}, got {chunk_size!r}")
 
 
 def head_scores(
@@ -308,7 +315,11 @@ def head_scores(
         :class:`HeadScores`; ``logprobs``/``entropy``/``values`` in float32 (float64 for float64 hidden).
     """
     terms = tuple(terms)
-    _check_inputs(hidden, weight, bias, labels, terms, temperature, chunk_size)
+    check_head(hidden, weight, bias)
+    check_index_tensor("labels", labels, shape=hidden.shape[:1], upper=weight.shape[0])
+    check_row_terms(terms, hidden.shape[0])
+    check_temperature(temperature)
+    check_chunk_size(chunk_size, optional=True)
     labels = labels.long()
     if chunk_size is None:
         return _scores_of(head_logits(hidden, weight, bias, temperature), labels, terms, entropy)
@@ -324,11 +335,7 @@ def logit_scores(
     check_float_tensor("logits", logits, ndim=2)
     check_index_tensor("labels", labels, shape=logits.shape[:1], upper=logits.shape[1])
     terms = tuple(terms)
-    for k, term in enumerate(terms):
-        if not isinstance(term, RowTerm):
-            raise TypeError(f"`terms[{k}]` must be a RowTerm, got {type(term).__name__}")
-        if term.active is not None:
-            check_mask(f"terms[{k}].active", term.active, logits.shape[:1])
+    check_row_terms(terms, logits.shape[0])
     return _scores_of(logits.to(compute_dtype(logits)), labels.long(), terms, entropy)
 
 
