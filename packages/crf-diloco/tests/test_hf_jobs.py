@@ -33,7 +33,7 @@ SERVER = TESTS / "hf_jobs_server.py"
 BEHAVE = str(TESTS / "replica_scripts" / "behave.py")
 TOKEN = "hf_crf_test_token_8f3a91c2d4"
 USER = "alice"
-RUN_SECRET = "crf-run-secret-5b2d7e0c9a41f3"
+RUN_SECRET = "crf-run-secret-5b2d7e0c9a41f3-0123456789abcdef"
 
 
 def behave(*args: str) -> list[str]:
@@ -531,7 +531,11 @@ def test_cli_launch_hf_trains_diloco_through_the_jobs_endpoint_and_s3(
         spec = job["spec"]
         assert spec["command"][:2] == ["python", "-c"]  # the script was shipped, not referenced by a local path
         assert str(TESTS) not in json.dumps(spec["command"])
+        # the store credentials and the per-run key `crf-diloco launch` generated travel as job secrets only
+        run_secret = spec["secrets"].pop("CRF_DILOCO_SECRET")
+        assert len(run_secret) >= 32
         assert spec["secrets"] == {"AWS_SECRET_ACCESS_KEY": s3_secret, "AWS_ACCESS_KEY_ID": "crf-key-id"}
+        assert run_secret not in json.dumps(spec["environment"]) + proc.stdout + proc.stderr
         assert s3_secret not in json.dumps(spec["environment"])
         assert spec["environment"]["AWS_ENDPOINT_URL"] == moto_s3["endpoint"]
         assert spec["timeoutSeconds"] == 400

@@ -31,7 +31,7 @@ from crf_diloco.executors._remote import ReplicaSecrets  # noqa: E402
 from crf_diloco.executors.modal import MAX_TIMEOUT_S, _ModalCall, _ModalLaunch  # noqa: E402
 
 BEHAVE = str(Path(__file__).parent / "replica_scripts" / "behave.py")
-RUN_SECRET = "crf-run-secret-0a9b8c7d6e5f4"
+RUN_SECRET = "crf-run-secret-0a9b8c7d6e5f4-0123456789abcdef"
 
 
 def behave(*args: str) -> list[str]:
