@@ -1,8 +1,11 @@
 """The SDPO self-teacher: an exponential moving average of the policy (SDPO ``teacher_regularization='ema'``).
 
 Source: lasgroup/SDPO ``dp_actor.py``. The copy starts equal to the initial policy and moves toward it by
-``rate`` after every optimizer step, ``θ_T ← (1 − r)·θ_T + r·θ_S``. Every rank holds its own copy; they stay
-identical because DDP keeps the policies identical. Checkpointed with the Trainer (``crf_core.trainer.state``).
+``rate`` after every optimizer step, ``θ_T ← (1 − r)·θ_T + r·θ_S``. Every rank holds its own copy. The copy is
+taken before DDP wraps the policy, when the ranks' freshly initialised weights (a PEFT adapter's, say) may still
+differ, so training starts by broadcasting rank 0's teacher (:meth:`EmaTeacher.synchronise`); from then on the
+copies stay identical because DDP keeps the policies identical. Checkpointed with the Trainer
+(``crf_core.trainer.state``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,16 @@ class EmaTeacher:
                     f"EMA teacher tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}"
                 )
         self.module.load_state_dict(state)
+
+    @torch.no_grad()
+    def synchronise(self, src: int = 0) -> None:
+        """Make every rank's copy equal to rank ``src``'s (no-op outside ``torch.distributed``)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        if torch.distributed.get_world_size() < 2:
+            return
+        for tensor in self.module.state_dict().values():
+            torch.distributed.broadcast(tensor, src=src)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:

@@ -99,10 +99,15 @@ class _SharedSDPO:
 
 
 class _ChannelStep(TrainerCallback):
-    """After every optimizer step: move the EMA self-teacher, advance TAID's schedule."""
+    """At the start of training: one EMA self-teacher on every rank. After every optimizer step: move the EMA
+    self-teacher, advance TAID's schedule."""
 
     def __init__(self, trainer: ComposerReplicationTrainer) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.sdpo_teacher is not None:
+            self.trainer.sdpo_teacher.synchronise()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
