@@ -38,6 +38,8 @@ def test_two_rank_ddp_run_ends_bit_identical(tmp_path: Path) -> None:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    differ = sorted(k for k in ranks[0] if k not in ("rank", "pairs") and ranks[0][k] != ranks[1][k])
+    assert not differ, f"the ranks differ in {differ}: {[{k: r[k] for k in differ} for r in ranks]}"
     assert [r["world"] for r in ranks] == [2, 2]
     assert ranks[0]["policy"] == ranks[1]["policy"]
     assert ranks[0]["teacher"] == ranks[1]["teacher"]

@@ -107,6 +107,10 @@ def main() -> None:
         "checkpointing": bool(getattr(policy, "is_gradient_checkpointing", False)),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
+    # leave the process group before the interpreter exits (gloo's threads otherwise may abort at teardown)
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
