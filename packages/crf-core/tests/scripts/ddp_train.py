@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -107,10 +108,16 @@ def main() -> None:
         "checkpointing": bool(getattr(policy, "is_gradient_checkpointing", False)),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
-    # leave the process group before the interpreter exits (gloo's threads otherwise may abort at teardown)
     trainer.accelerator.wait_for_everyone()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # Everything is written and the process group is gone. Skip the interpreter's teardown: with torch 2.14
+    # (Python 3.10's lock) a background thread is now and then destroyed while joinable there, std::terminate
+    # aborts the process (SIGABRT, "terminate called without an active exception") and the launcher reports a
+    # failed rank for a run that finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
