@@ -1,22 +1,28 @@
-"""What each channel adds: the main job's held-out gain per channel set and seed, at the same budget.
+"""What each channel adds: the main job's held-out gain per arm and seed, at the same budget, beside TRL's trainers.
 
 What is measured
-    For every channel set (``--arms``, default: the composed recipe, GRPO alone, GRPO + SDPO and
-    GRPO + trace-replay DPO) and every seed (``--seeds``, default 0 1 2), one full run of
-    ``examples/composer_main.py --channels <arm> --seed <seed>`` (its defaults otherwise: same warm start,
-    same steps, same rollouts, same DiLoCo schedule), in a fresh process, one after the other. Each run
-    reports the held-out pass rate before and after RL on the 60 held-out tasks (16 samples each) and the
-    change with its 95% interval (task as the unit, paired).
+    For every arm (``--arms``, default all of `ARMS`) and every seed (``--seeds``, default 0 1 2), one full run of
+    ``examples/composer_main.py --seed <seed>`` plus the arm's flags (its defaults otherwise: the same warm start,
+    steps, rollouts per step, DiLoCo schedule and evaluation draws in every arm), in a fresh process. Each run
+    reports the held-out pass rate before and after RL on the 85 held-out tasks (16 samples each) and on their
+    hard subset (25 tasks whose argument is not called ``x``: the warm-started policy fails them all, so GRPO's
+    advantage there is 0), each change with its 95% interval (task as the unit, paired).
+
+    The arms: crf's composed recipe (GRPO + SDPO with the sandbox's feedback + trace-replay DPO), GRPO alone,
+    GRPO + SDPO, GRPO + DPO, the composed recipe with SRPO's routing and with SC-SDPO's weights, and the peers
+    at the same budget: TRL's ``GRPOTrainer`` and ``trl.experimental.sdpo.SDPOTrainer`` (``--trainer``).
 
 Printed
-    One row per arm: each seed's change [interval], the mean change over seeds, whether every seed rose
-    with an interval above 0, the mean wall time, and the RATIO of the arm's mean change to GRPO alone's
-    (the peer: ``1.00`` for GRPO alone). The warm start is the same in every arm of a seed (same seed, same
-    demonstrations), so the "before" column repeats. Also the load average, since the machine may be shared.
+    One row per arm: each seed's change [interval], the mean change over seeds and its spread (the sample standard
+    deviation over seeds), the hard subset's mean change, whether the arm beat crf's GRPO alone on every seed, the
+    mean wall time, and the RATIO of the arm's mean change to crf GRPO alone's. Also the load average. The changes
+    are deterministic per seed (the same numbers on a quiet or a loaded machine); wall times are not, and are
+    comparable only between runs made one after the other on the same machine (not with ``--parallel``).
 
-Run: ``python benchmarks/main_job_ablation.py`` (12 runs, ~25-30 minutes on 2 cores), or e.g.
-``--seeds 0 --arms grpo grpo,sdpo_jsd,trace_replay_dpo`` for a quick look. Results go to
-``runs/ablation-<timestamp>/`` (each run's report, plus ``ablation.md``).
+Run: ``python benchmarks/main_job_ablation.py`` (24 runs, about 1.5 hours on 2 quiet cores), or e.g.
+``--seeds 0 --arms composed grpo`` for a quick look. Results go to ``runs/ablation-<timestamp>/`` (each run's
+report, ``ablation.json`` and ``ablation.md``); ``--update-docs`` also writes ``docs/ablation.json`` and the
+table in ``docs/guide.md`` (between its ``ablation`` markers), which ``tests/test_docs.py`` checks against it.
 """
 
 from __future__ import annotations
@@ -27,11 +33,26 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPOSED = "grpo,sdpo_jsd,trace_replay_dpo"
-ARMS = (COMPOSED, "grpo", "grpo,sdpo_jsd", "grpo,trace_replay_dpo")
+COMPOSED = ["--channels", "grpo,sdpo_jsd,trace_replay_dpo"]
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "composed": ("crf composed (GRPO + SDPO + DPO)", COMPOSED),
+    "grpo": ("crf GRPO alone", ["--channels", "grpo"]),
+    "grpo+sdpo": ("crf GRPO + SDPO", ["--channels", "grpo,sdpo_jsd"]),
+    "grpo+dpo": ("crf GRPO + trace-replay DPO", ["--channels", "grpo,trace_replay_dpo"]),
+    "composed+srpo": ("crf composed, SRPO routing", [*COMPOSED, "--sdpo-routing", "srpo"]),
+    "composed+sc": ("crf composed, SC-SDPO weights", [*COMPOSED, "--sdpo-group-weight", "success_variance"]),
+    "trl-grpo": ("TRL GRPOTrainer", ["--trainer", "trl-grpo"]),
+    "trl-sdpo": ("TRL SDPOTrainer", ["--trainer", "trl-sdpo"]),
+}
+PEER = "grpo"
+DOCS_JSON = ROOT / "docs" / "ablation.json"
+GUIDE = ROOT / "docs" / "guide.md"
+START, END = "<!-- ablation:start -->", "<!-- ablation:end -->"
 
 
 def _load() -> str:
@@ -39,59 +60,113 @@ def _load() -> str:
     return " ".join(path.read_text().split()[:3]) if path.exists() else "n/a"
 
 
-def run(arm: str, seed: int, out: Path, extra: list[str]) -> dict:
+def run(arm: str, seed: int, out: Path, extra: list[str]) -> dict[str, Any]:
     """One main-job run in its own process; returns its ``result.json`` plus the wall time."""
-    folder = out / f"{arm.replace(',', '+')}-seed{seed}"
-    command = [sys.executable, str(ROOT / "examples" / "composer_main.py"), "--channels", arm, "--seed", str(seed)]
+    folder = out / f"{arm}-seed{seed}"
+    command = [sys.executable, str(ROOT / "examples" / "composer_main.py"), *ARMS[arm][1], "--seed", str(seed)]
     command += ["--output-dir", str(folder), *extra]
     start = time.monotonic()
     with open(out / f"{folder.name}.log", "w", encoding="utf-8") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
     result = json.loads((folder / "result.json").read_text())
     result["wall_s"] = time.monotonic() - start
+    result["arm"] = arm
+    print(
+        f"{arm:<14} seed {seed}: change {result['change']:+.3f} [{result['change_interval'][0]:+.3f}, "
+        f"{result['change_interval'][1]:+.3f}], hard {result['subsets']['hard']['change']:+.3f}  "
+        f"{result['wall_s']:.0f} s  (load {_load()})",
+        flush=True,
+    )
     return result
 
 
+def _cell(change: float, interval: list[float]) -> str:
+    return f"{change:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]"
+
+
+def table(record: dict[str, Any]) -> str:
+    """The markdown table of an ``ablation.json`` record (what ``--update-docs`` writes into the guide)."""
+    seeds: list[int] = record["seeds"]
+    runs: dict[str, list[dict[str, Any]]] = record["runs"]
+    peer = {r["seed"]: r["change"] for r in runs.get(PEER, [])}
+    peer_mean = statistics.mean(peer.values()) if peer else float("nan")
+    header = "| arm | " + " | ".join(f"seed {s}: change [95% CI]" for s in seeds)
+    header += " | mean change (spread) | hard subset: mean change | above GRPO alone on every seed | mean wall s "
+    header += "| ratio to GRPO alone |"
+    lines = [header, "|---" * (len(seeds) + 6) + "|"]
+    for arm, rows in runs.items():
+        rows = sorted(rows, key=lambda r: r["seed"])
+        changes = [r["change"] for r in rows]
+        mean = statistics.mean(changes)
+        spread = statistics.stdev(changes) if len(changes) > 1 else float("nan")
+        hard = statistics.mean(r["subsets"]["hard"]["change"] for r in rows)
+        above = "—" if arm == PEER or not peer else ("yes" if all(r["change"] > peer[r["seed"]] for r in rows) else "no")
+        cells = [_cell(r["change"], r["change_interval"]) for r in rows]
+        lines.append(
+            f"| {ARMS[arm][0] if arm in ARMS else arm} | " + " | ".join(cells) + f" | {mean:+.3f} ({spread:.3f}) | "
+            f"{hard:+.3f} | {above} | {statistics.mean(r['wall_s'] for r in rows):.0f} | {mean / peer_mean:.2f} |"
+        )
+    befores = ", ".join(
+        f"seed {r['seed']} {r['before']:.3f} (hard {r['subsets']['hard']['before']:.3f})"
+        for r in sorted(next(iter(runs.values())), key=lambda r: r["seed"])
+    )
+    lines += [
+        "",
+        f"Held-out pass rate before RL (the same warm start in every arm): {befores}. "
+        f"Load average {record['load_start']} at the start, {record['load_end']} at the end. "
+        f"Command: `{record['command']}`.",
+    ]
+    return "\n".join(lines)
+
+
+def update_docs(record: dict[str, Any]) -> None:
+    """Write ``docs/ablation.json`` and the guide's table from ``record``."""
+    DOCS_JSON.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    text = GUIDE.read_text(encoding="utf-8")
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    if not rest:
+        raise SystemExit(f"{GUIDE} has no {START} ... {END} block to replace")
+    GUIDE.write_text(f"{head}{START}\n{table(record)}\n{END}{tail}", encoding="utf-8")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), help="channel sets, each comma-separated")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (wall times are then not comparable)")
     parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--update-docs", action="store_true", help="write docs/ablation.json and the guide's table")
     parser.add_argument("extra", nargs="*", help="more flags for every run, after --")
     args = parser.parse_args()
+    if args.parallel < 1:
+        parser.error("--parallel must be >= 1")
     out = Path(args.output_dir or ROOT / "runs" / time.strftime("ablation-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    print(f"load average at start: {_load()}; output {out}", flush=True)
-    results: dict[str, list[dict]] = {}
-    for arm in args.arms:
-        for seed in args.seeds:
-            r = run(arm, seed, out, args.extra)
-            lo, hi = r["change_interval"]
-            print(
-                f"{arm:<32} seed {seed}: {r['before']:.3f} -> {r['after']:.3f}  change {r['change']:+.3f} "
-                f"[{lo:+.3f}, {hi:+.3f}]  {r['wall_s']:.0f} s  (load {_load()})",
-                flush=True,
-            )
-            results.setdefault(arm, []).append(r)
-    peer = statistics.mean(r["change"] for r in results["grpo"]) if "grpo" in results else float("nan")
-    header = "| channels | " + " | ".join(f"seed {s}: change [95% CI]" for s in args.seeds)
-    header += " | mean change | every seed above 0 | mean wall s | ratio to GRPO alone |"
-    lines = [header, "|---" * (len(args.seeds) + 5) + "|"]
-    for arm, rows in results.items():
-        cells = [f"{r['change']:+.3f} [{r['change_interval'][0]:+.3f}, {r['change_interval'][1]:+.3f}]" for r in rows]
-        mean = statistics.mean(r["change"] for r in rows)
-        rising = all(r["change_interval"][0] > 0 for r in rows)
-        wall = statistics.mean(r["wall_s"] for r in rows)
-        lines.append(
-            f"| {arm.replace(',', ' + ')} | " + " | ".join(cells) + f" | {mean:+.3f} | {'yes' if rising else 'no'} | "
-            f"{wall:.0f} | {mean / peer:.2f} |"
-        )
-    befores = ", ".join(f"seed {r['seed']} {r['before']:.3f}" for r in next(iter(results.values())))
-    lines += ["", f"Held-out pass rate before RL (the same warm start in every arm): {befores}."]
-    lines += [f"Load average at the end: {_load()}."]
-    table = "\n".join(lines)
-    (out / "ablation.md").write_text(table + "\n", encoding="utf-8")
-    print(table)
+    load_start = _load()
+    print(f"load average at start: {load_start}; output {out}", flush=True)
+    jobs = [(arm, seed) for arm in args.arms for seed in args.seeds]
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        results = list(pool.map(lambda job: run(job[0], job[1], out, args.extra), jobs))
+    command = "python benchmarks/main_job_ablation.py " + " ".join(
+        ["--seeds", *map(str, args.seeds), "--arms", *args.arms]
+        + (["--parallel", str(args.parallel)] if args.parallel > 1 else [])
+        + (["--", *args.extra] if args.extra else [])
+    )
+    record = {
+        "command": command,
+        "seeds": args.seeds,
+        "load_start": load_start,
+        "load_end": _load(),
+        "runs": {arm: [r for r in results if r["arm"] == arm] for arm in args.arms},
+    }
+    (out / "ablation.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    text = table(record)
+    (out / "ablation.md").write_text(text + "\n", encoding="utf-8")
+    print(text)
+    if args.update_docs:
+        update_docs(record)
+        print(f"updated {DOCS_JSON.relative_to(ROOT)} and the table in {GUIDE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -44,13 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from main_job.records import (
     CHANNELS,
+    TRAINERS,
     STORAGE_OPTIONS_ENV,
     JobSpec,
     ReplicaReport,
     read_record,
     write_record,
 )
-from main_job.tasks import DATA, load_demonstrations, load_tasks
+from main_job.tasks import DATA, build_drills, load_demonstrations, load_tasks
 
 __all__ = ["main", "parse_args"]
 
@@ -131,8 +132,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--grpo-weight", type=float, default=1.0, help="weight of channel grpo when it is on")
     add("--sdpo-weight", type=float, default=1.0, help="weight of channel sdpo_jsd when it is on")
     add("--dpo-weight", type=float, default=0.2, help="weight of channel trace_replay_dpo when it is on")
-    add("--sdpo-feedback", action=argparse.BooleanOptionalAction, default=None,
-        help="let SDPO's teacher read the sandbox feedback (default: smollm2 yes; tiny no, it cannot read it)")  # fmt: skip
+    add("--sdpo-feedback", action=argparse.BooleanOptionalAction, default=True,
+        help="let SDPO's teacher read the sandbox's feedback (the tiny model learns to read it in its warm start)")  # fmt: skip
+    add("--sdpo-routing", choices=("all", "srpo"), default="all",
+        help="srpo: successful rollouts train through GRPO only, failed ones through SDPO only (arXiv 2604.02288)")  # fmt: skip
+    add("--sdpo-group-weight", choices=("uniform", "success_variance"), default="uniform",
+        help="success_variance: weigh each question's SDPO term by sqrt(p(1-p)) (SC-SDPO, arXiv 2605.27765)")  # fmt: skip
+    add("--trainer", choices=TRAINERS, default="crf",
+        help="crf: ComposerReplicationTrainer with --channels; trl-grpo / trl-sdpo: TRL's GRPOTrainer or "
+        "SDPOTrainer at the same budget (the ablation's peers; --channels is then ignored)")  # fmt: skip
     add("--warmup-steps", type=int, default=None, help="supervised warm-start steps (default: tiny 200, smollm2 5)")
     add("--warmup-lr", type=float, default=None, help="warm-start learning rate (default: tiny 3e-3, smollm2 1e-5)")
     add("--eval-samples", type=int, default=None, help="completions per held-out task (default 16; quick 2)")
@@ -156,7 +164,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     opts.warmup_steps = opts.warmup_steps if opts.warmup_steps is not None else (200 if tiny else 5)
     opts.warmup_lr = opts.warmup_lr if opts.warmup_lr is not None else (3e-3 if tiny else 1e-5)
     opts.eval_samples = opts.eval_samples if opts.eval_samples is not None else (2 if opts.quick else 16)
-    opts.sdpo_feedback = opts.sdpo_feedback if opts.sdpo_feedback is not None else not tiny
     for name in ("replicas", "steps", "sync_every", "prompts_per_step", "generations", "eval_samples",
                  "max_completion_length"):  # fmt: skip
         if getattr(opts, name) < 1:
@@ -287,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
 
     import torch
     from main_job.evaluate import Change, evaluate
+    from main_job.feedback import feedback_examples
     from main_job.policy import build_policy, load_policy, save_policy, warm_start
     from main_job.report import JobOutcome, plot, summary_markdown, summary_table
     from main_job.tasks import check_unseen
@@ -311,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     output.mkdir(parents=True, exist_ok=True)
     store = opts.store or str(output / "store")
     store = store if "://" in store else str(Path(store).resolve())  # replicas may run elsewhere than this cwd
-    channels = tuple(c for c in CHANNELS if opts.weights[c] > 0)
+    channels = tuple(c for c in CHANNELS if opts.weights[c] > 0) if opts.trainer == "crf" else (opts.trainer,)
     print(
         f"crf main job: {' + '.join(channels)}; {opts.replicas} replica processes ({opts.executor} executor) x "
         f"{opts.steps} steps, DiLoCo round every {opts.sync_every}; model {opts.model} on {opts.device}; "
@@ -326,25 +334,34 @@ def main(argv: Sequence[str] | None = None) -> Any:
     demos = load_demonstrations(DATA / "demonstrations.jsonl")
     pairs = build_trace_pairs(output, train, opts.teacher_url, opts.teacher_model)
     pair_texts = [v for line in pairs.read_text(encoding="utf-8").splitlines() for v in json.loads(line).values()]
+    readable = [t for t in train if not t.hard] + build_drills()  # never a hard task: the warm start lacks them
+    feedback = feedback_examples(readable, isolation=isolation, timeout_s=opts.sandbox_timeout, seed=opts.seed)
     check_unseen(
         heldout,
         {
             "train tasks": [text for t in train for text in (t.prompt, t.solution, *t.tests)],
             "warm-start demonstrations": [text for d in demos for text in (d.prompt, d.completion)],
+            "warm-start feedback": [text for f in feedback for text in (f.prompt, f.attempt, f.feedback, f.completion)],
             "DPO pairs": [json.dumps(v) if not isinstance(v, str) else v for v in pair_texts],
         },
     )
+    hard = sum(t.hard for t in heldout)
     print(
-        f"tasks: {len(train)} train, {len(heldout)} held out (none of them in the train tasks, the demonstrations "
-        "or the DPO pairs)",
+        f"tasks: {len(train)} train, {len(heldout)} held out ({hard} of them hard, bitwise; none of them in the train "
+        "tasks, the demonstrations, the warm start's feedback or the DPO pairs)",
         flush=True,
     )
     model, tokenizer = build_policy(opts.model, seed=opts.seed)
     model.to(opts.device)
     phase("set-up")
     if opts.warmup_steps:
-        loss = warm_start(model, tokenizer, demos, steps=opts.warmup_steps, lr=opts.warmup_lr, seed=opts.seed)
-        print(f"warm start: {opts.warmup_steps} supervised steps on {len(demos)} demonstrations, loss {loss:.3f}")
+        loss = warm_start(
+            model, tokenizer, demos, feedback=feedback, steps=opts.warmup_steps, lr=opts.warmup_lr, seed=opts.seed
+        )
+        print(
+            f"warm start: {opts.warmup_steps} supervised steps on {len(demos)} demonstrations and the sandbox's "
+            f"feedback on {len(feedback)} wrong attempts (easy train tasks and drills), loss {loss:.3f}"
+        )
     save_policy(model, tokenizer, output / "warm_start")
     phase("warm start")
 
@@ -362,7 +379,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
         )
 
     before = heldout_rate(model)
-    print(f"held-out pass rate before RL: {before.text()} ({opts.eval_samples} samples x {len(heldout)} tasks)")
+    hard_names = [t.name for t in heldout if t.hard]
+    print(
+        f"held-out pass rate before RL: {before.text()} ({opts.eval_samples} samples x {len(heldout)} tasks); "
+        f"hard subset {before.subset(hard_names).text()}",
+        flush=True,
+    )
     del model
     phase("evaluation before")
 
@@ -381,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> Any:
         temperature=opts.temperature,
         weights=opts.weights,
         sdpo_feedback=opts.sdpo_feedback,
+        sdpo_routing=opts.sdpo_routing,
+        sdpo_group_weight=opts.sdpo_group_weight,
+        trainer=opts.trainer,
         outer_lr=opts.outer_lr,
         outer_momentum=opts.outer_momentum,
         sync_timeout=opts.sync_timeout,
@@ -397,7 +422,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
     final, _ = load_policy(output / "final", opts.device)
     after = heldout_rate(final)
     change = Change.between(before, after)
-    print(f"held-out pass rate after RL: {after.text()}; change {change.text()}")
+    hard_change = Change.between(before.subset(hard_names), after.subset(hard_names))
+    print(
+        f"held-out pass rate after RL: {after.text()}; change {change.text()}; hard subset "
+        f"{after.subset(hard_names).text()}, change {hard_change.text()}",
+        flush=True,
+    )
     phase("evaluation after")
 
     outcome = JobOutcome(
@@ -420,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
         if Path("/proc/loadavg").exists()
         else "n/a",
         sandbox=sandbox,
+        hard=tuple(hard_names),
     )
     print(summary_table(outcome), flush=True)
     plot(outcome, output / "composer_main.png")
@@ -438,6 +469,16 @@ def main(argv: Sequence[str] | None = None) -> Any:
                 "after_per_task": list(after.per_task),
                 "samples": before.samples,
                 "seconds": outcome.seconds,
+                "subsets": {
+                    name: {
+                        "tasks": len(b.tasks),
+                        "before": b.mean,
+                        "after": a.mean,
+                        "change": Change.between(b, a).mean,
+                        "change_interval": list(Change.between(b, a).interval),
+                    }
+                    for name, (b, a) in outcome.subsets().items()
+                },
             },
             indent=1,
         ),

@@ -71,3 +71,21 @@ def test_bug_report_section_keeps_the_seeds_rules() -> None:
     section = text[text.index("## How to file a bug report") :].lower()
     for rule in ("never paste api keys, tokens", "name the failing test", "whether it regressed", "one bug per report"):
         assert rule in section, rule
+
+
+def test_guide_ablation_table_is_what_the_ablation_script_wrote() -> None:
+    """The guide's ablation table is rendered from ``docs/ablation.json`` (what `benchmarks/main_job_ablation.py
+    --update-docs` wrote from its runs), so it cannot drift from the measurement it reports."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("main_job_ablation", ROOT / "benchmarks" / "main_job_ablation.py")
+    assert spec is not None and spec.loader is not None
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    record = json.loads((ROOT / "docs" / "ablation.json").read_text(encoding="utf-8"))
+    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    block = guide.split(ablation.START, 1)[1].split(ablation.END, 1)[0].strip()
+    assert block == ablation.table(record).strip()
+    for arm, runs in record["runs"].items():
+        assert sorted(r["seed"] for r in runs) == sorted(record["seeds"]), arm

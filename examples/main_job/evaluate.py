@@ -11,7 +11,7 @@ with ``sd(differences) / sqrt(n_tasks)``. Intervals are 95% normal intervals, ``
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,14 @@ class PassRate:
     def text(self) -> str:
         """``mean [low, high]``."""
         return _text(self.mean, self.se, ".3f")
+
+    def subset(self, names: Iterable[str]) -> PassRate:
+        """The rates of the tasks named in ``names`` only (in this evaluation's order)."""
+        keep = set(names)
+        rows = [(t, r) for t, r in zip(self.tasks, self.per_task, strict=True) if t in keep]
+        if not rows:
+            raise ValueError("the subset names none of the evaluated tasks")
+        return PassRate(tuple(t for t, _ in rows), tuple(r for _, r in rows), self.samples)
 
 
 @dataclass(frozen=True)

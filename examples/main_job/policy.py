@@ -1,8 +1,17 @@
 """The policy: build it (a tiny offline Llama or SmolLM2-135M from its GGUF file) and give it its warm start.
 
-The warm start is the usual supervised step before RL, on the shipped demonstrations of *train*
-tasks only (``data/demonstrations.jsonl``). It is deliberately short: the policy leaves it able to
-write the expressions but unsure of them, so RL has something to learn.
+The warm start is the usual supervised step before RL, on *train* data only. What it teaches, and why:
+
+* **the plain task, on easy tasks** (``data/demonstrations.jsonl``): prompt → answer. It is deliberately
+  short: the policy leaves it able to write the expressions but unsure of them, so RL has something to
+  learn. The hard (bitwise) tasks are absent, so the policy fails them, as a policy fails a skill its SFT
+  data lacked;
+* **reading a demonstration**: SDPO's reprompt with a peer's correct answer above the signature → answer;
+* **reading feedback**: SDPO's reprompt with the sandbox's account of a wrong attempt → answer, on easy
+  train tasks and on drills (`tasks.build_drills`: ``def f_40(x)``, whose operation only the failing test's
+  message tells). A pretrained LLM can read a failing test; a model built from a config cannot, and
+  without this SDPO's self-teacher sees noise. The drills teach reading, never a hard task's answer: their
+  constants (40 to 79) are no task's.
 """
 
 from __future__ import annotations
@@ -13,9 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from main_job.feedback import FeedbackExample
 from main_job.tasks import Demonstration
+from main_job.templates import reprompt_config
 
-__all__ = ["MODELS", "build_policy", "load_policy", "save_policy", "warm_start"]
+__all__ = ["MODELS", "build_policy", "load_policy", "save_policy", "warm_start", "warm_start_examples"]
 
 MODELS = ("tiny", "smollm2-135m")
 
@@ -27,7 +38,11 @@ def build_policy(name: str, seed: int) -> tuple[Any, Any]:
         from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
         chars = build_char_tokenizer()
-        return build_tiny_causal_lm(chars, hidden_size=64, num_layers=2, num_heads=4, seed=seed), chars
+        # 1024 positions (rotary, no parameters): a reprompt with feedback is ~500 characters.
+        model = build_tiny_causal_lm(
+            chars, hidden_size=64, num_layers=2, num_heads=4, seed=seed, max_position_embeddings=1024
+        )
+        return model, chars
     if name == "smollm2-135m":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,6 +102,27 @@ def load_policy(folder: Path, device: str = "cpu") -> tuple[Any, Any]:
     return model.to(device), tokenizer
 
 
+def warm_start_examples(
+    demos: Sequence[Demonstration], feedback: Sequence[FeedbackExample], rng: random.Random, batch_size: int
+) -> list[tuple[str, str]]:
+    """One warm-start batch as ``(context, completion)`` pairs (see `warm_start`)."""
+    from crf_core.trainer.reprompt import build_reprompts
+
+    config = reprompt_config()
+    examples: list[tuple[str, str]] = []
+    for demo in rng.sample(list(demos), k=min(batch_size, len(demos))):
+        shown = demo.completion if rng.random() < 0.75 else rng.choice(demos).completion
+        reprompt = build_reprompts([demo.prompt] * 2, [shown, ""], [1.0, 0.0], None, 2, config).reprompts[1].prompt
+        examples.append((demo.prompt, demo.completion))
+        examples.append((str(reprompt), demo.completion))
+    for example in rng.sample(list(feedback), k=min(max(1, batch_size // 4), len(feedback))):
+        batch = build_reprompts(
+            [example.prompt] * 2, [example.attempt, ""], [0.0, 0.0], [example.feedback, None], 2, config
+        )
+        examples.append((str(batch.reprompts[0].prompt), example.completion))
+    return examples
+
+
 def warm_start(
     model: Any,
     tokenizer: Any,
@@ -95,19 +131,20 @@ def warm_start(
     steps: int,
     lr: float,
     seed: int,
+    feedback: Sequence[FeedbackExample] = (),
     batch_size: int = 16,
 ) -> float:
-    """Supervised warm start on ``demos``; returns the last loss.
+    """Supervised warm start on ``demos`` and ``feedback``; returns the last loss.
 
-    Each batch holds ``batch_size`` demonstrations twice: as ``prompt + completion`` and in SDPO's
-    reprompt format with a demonstration in the context (``reprompt(prompt, solution=demo) +
-    completion``, the demo being the answer 3 times in 4 and another task's answer otherwise). SDPO's
-    self-teacher reads that context; a policy that never saw the format makes it noise. Loss on the
-    completion tokens only (and EOS); AdamW at ``lr``.
+    Each batch holds ``batch_size`` demonstrations: as ``prompt + completion`` (easy tasks only) and in
+    SDPO's reprompt format with a demonstration in the context (``reprompt(prompt, solution=demo) +
+    completion``, the demo being the answer 3 times in 4 and another task's answer otherwise); and
+    ``batch_size // 4`` feedback examples (longer rows) in SDPO's reprompt format with the feedback in the context
+    (``reprompt(prompt, feedback=…) + completion``). SDPO's self-teacher reads those contexts; a policy
+    that never saw them makes them noise. The templates are the job's (`main_job.templates`). Loss on the completion
+    tokens only (and EOS); AdamW at ``lr``.
     """
     import torch
-
-    from crf_core.trainer.reprompt import build_reprompts
 
     if steps < 0 or batch_size < 1:
         raise ValueError(f"steps must be >= 0 and batch_size >= 1, got {steps} and {batch_size}")
@@ -118,22 +155,31 @@ def warm_start(
     model.train()
     for _ in range(steps):
         rows, labels = [], []
-        for demo in rng.sample(list(demos), k=min(batch_size, len(demos))):
-            shown = demo.completion if rng.random() < 0.75 else rng.choice(demos).completion
-            reprompt = build_reprompts([demo.prompt] * 2, [shown, ""], [1.0, 0.0], None, 2).reprompts[1].prompt
-            for context in (demo.prompt, str(reprompt)):
-                head = tokenizer(context)["input_ids"]
-                tail = tokenizer(demo.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                rows.append(head + tail)
-                labels.append([-100] * len(head) + tail)
-        width = max(map(len, rows))
-        pad = tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
-        target = torch.tensor([[-100] * (width - len(r)) + lab for r, lab in zip(rows, labels, strict=True)])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-        loss = model(input_ids=ids, attention_mask=mask, labels=target.to(device)).loss
+        for context, completion in warm_start_examples(demos, feedback, rng, batch_size):
+            head = tokenizer(context)["input_ids"]
+            tail = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rows.append(head + tail)
+            labels.append([-100] * len(head) + tail)
+        # Two padded passes, short rows and long (feedback) rows, so the short ones are not padded to ~400
+        # positions; the loss is the mean over every completion token of the batch, as in one pass.
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        cut = next((j for j, i in enumerate(order) if len(rows[i]) > 2 * len(rows[order[0]]) + 64), len(order))
         optimizer.zero_grad()
-        loss.backward()
+        total, count = 0.0, sum(sum(1 for t in lab if t != -100) for lab in labels)
+        for part in (order[:cut], order[cut:]):
+            if not part:
+                continue
+            width = max(len(rows[i]) for i in part)
+            pad = tokenizer.pad_token_id
+            ids = torch.tensor([[pad] * (width - len(rows[i])) + rows[i] for i in part], device=device)
+            target = torch.tensor([[-100] * (width - len(rows[i])) + labels[i] for i in part], device=device)
+            mask = torch.tensor([[0] * (width - len(rows[i])) + [1] * len(rows[i]) for i in part], device=device)
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            part_sum = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+            )
+            (part_sum / count).backward()
+            total += float(part_sum.detach())
         optimizer.step()
-        loss_value = float(loss.detach())
+        loss_value = total / count
     return loss_value

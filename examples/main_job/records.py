@@ -14,10 +14,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["CHANNELS", "STORAGE_OPTIONS_ENV", "JobSpec", "ReplicaReport", "StepRecord", "read_record", "write_record"]
+__all__ = ["CHANNELS", "STORAGE_OPTIONS_ENV", "TRAINERS", "JobSpec", "ReplicaReport", "StepRecord", "read_record", "write_record"]
 
 CHANNELS = ("grpo", "sdpo_jsd", "trace_replay_dpo")
 """The trainer's channels, in the order the job reports them."""
+
+TRAINERS = ("crf", "trl-grpo", "trl-sdpo")
+"""Who trains the replicas: crf's trainer, or TRL's GRPOTrainer / SDPOTrainer as peers (`replica.build_trainer`)."""
 
 STORAGE_OPTIONS_ENV = "CRF_MAIN_JOB_STORAGE_OPTIONS"
 """Environment variable holding the store's fsspec options as JSON (``--storage-option``), for the replicas."""
@@ -43,6 +46,9 @@ class JobSpec:
     temperature: float
     weights: dict[str, float]
     sdpo_feedback: bool
+    sdpo_routing: str
+    sdpo_group_weight: str
+    trainer: str
     outer_lr: float
     outer_momentum: float
     sync_timeout: float

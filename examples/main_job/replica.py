@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from main_job.feedback import FEEDBACK_CHARS
 from main_job.policy import load_policy, save_policy
 from main_job.records import (
     CHANNELS,
@@ -30,8 +31,9 @@ from main_job.records import (
     write_record,
 )
 from main_job.tasks import load_tasks
+from main_job.templates import TEMPLATE_FIELDS
 
-__all__ = ["run_replica", "weights_digest"]
+__all__ = ["build_trainer", "run_replica", "weights_digest"]
 
 
 def weights_digest(model: Any) -> str:
@@ -70,6 +72,64 @@ def _progress(spec: JobSpec, rank: int, history: list[StepRecord], manager: Any,
     return Progress()
 
 
+def build_trainer(spec: JobSpec, rank: int, model: Any, tokenizer: Any, reward: Any, dataset: Any) -> Any:
+    """The replica's trainer: crf's `ComposerReplicationTrainer` with the job's channels (``spec.trainer`` =
+    ``crf``), or a peer at the same budget and settings: TRL's ``GRPOTrainer`` (``trl-grpo``) or TRL's
+    ``trl.experimental.sdpo.SDPOTrainer`` (``trl-sdpo``: half policy gradient, half top-20 + tail JSD to its
+    EMA self-teacher, as crf's SDPO channel is set here; TRL's SDPO reads feedback only from a static
+    ``privileged_context`` column, so it gets the successful peers' demonstrations, not the sandbox's feedback)."""
+    common: dict[str, Any] = {
+        "output_dir": str(Path(spec.output_dir) / f"replica{rank}"),
+        "per_device_train_batch_size": spec.prompts_per_step * spec.generations,
+        "num_generations": spec.generations,
+        "max_completion_length": spec.max_completion_length,
+        "temperature": spec.temperature,
+        "max_steps": spec.steps,
+        "learning_rate": spec.lr,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": spec.device == "cpu",
+        "disable_tqdm": True,
+        "seed": spec.seed + 101 * rank,  # each replica samples its own rollouts
+    }
+    kwargs = {"model": model, "reward_funcs": reward, "train_dataset": dataset, "processing_class": tokenizer}
+    if spec.trainer == "trl-grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        return GRPOTrainer(args=GRPOConfig(**common), **kwargs)
+    if spec.trainer == "trl-sdpo":
+        from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+        sdpo = SDPOConfig(
+            **common,
+            distillation_weight=0.5,
+            distillation_mode="topk_logits",
+            distillation_topk=20,
+            distillation_add_tail=True,
+            distillation_alpha=0.5,
+            **TEMPLATE_FIELDS,
+        )
+        return SDPOTrainer(args=sdpo, **kwargs)
+    from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
+
+    config = ComposerConfig(
+        **common,
+        grpo_weight=spec.weights["grpo"],
+        sdpo_weight=spec.weights["sdpo_jsd"],
+        trace_replay_dpo_weight=spec.weights["trace_replay_dpo"],
+        trace_replay_path=spec.pairs if spec.weights["trace_replay_dpo"] > 0 else None,
+        trace_replay_batch_size=4,
+        sdpo_top_k=20,
+        sdpo_include_environment_feedback=spec.sdpo_feedback,
+        sdpo_routing=spec.sdpo_routing,  # type: ignore[arg-type]
+        sdpo_group_weight=spec.sdpo_group_weight,  # type: ignore[arg-type]
+        **{f"sdpo_{name}": text for name, text in TEMPLATE_FIELDS.items()},
+    )
+    return ComposerReplicationTrainer(args=config, **kwargs)
+
+
 def run_replica(job: Path) -> ReplicaReport:
     """Train this process's replica as ``job`` (a ``job.json``) says; returns and writes its report."""
     import torch
@@ -79,7 +139,6 @@ def run_replica(job: Path) -> ReplicaReport:
     from transformers.utils import logging as hf_logging
 
     from crf_core.rewards import UnitTestReward
-    from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
     from crf_diloco import MockManager, ObjectStoreAllReduce
 
     hf_logging.disable_progress_bar()
@@ -100,40 +159,15 @@ def run_replica(job: Path) -> ReplicaReport:
     model, tokenizer = load_policy(Path(spec.model_dir), spec.device)
     rows = [task.row() for task in load_tasks(Path(spec.train_tasks))]
     random.Random(spec.seed + 101 * rank).shuffle(rows)  # each replica its own data order
-    batch = spec.prompts_per_step * spec.generations
     output = Path(spec.output_dir)
-    config = ComposerConfig(
-        output_dir=str(output / f"replica{rank}"),
-        per_device_train_batch_size=batch,
-        num_generations=spec.generations,
-        max_completion_length=spec.max_completion_length,
-        temperature=spec.temperature,
-        max_steps=spec.steps,
-        learning_rate=spec.lr,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=spec.device == "cpu",
-        disable_tqdm=True,
-        seed=spec.seed + 101 * rank,  # each replica samples its own rollouts
-        grpo_weight=spec.weights["grpo"],
-        sdpo_weight=spec.weights["sdpo_jsd"],
-        trace_replay_dpo_weight=spec.weights["trace_replay_dpo"],
-        trace_replay_path=spec.pairs if spec.weights["trace_replay_dpo"] > 0 else None,
-        trace_replay_batch_size=4,
-        sdpo_top_k=20,
-        sdpo_include_environment_feedback=spec.sdpo_feedback,
+    reward = UnitTestReward(
+        timeout_s=spec.sandbox_timeout,
+        max_workers=1,
+        isolation=spec.isolation,  # type: ignore[arg-type]
+        max_feedback_chars=FEEDBACK_CHARS,  # the length the warm start showed
     )
-    reward = UnitTestReward(timeout_s=spec.sandbox_timeout, max_workers=1, isolation=spec.isolation)  # type: ignore[arg-type]
     repeats = -(-spec.steps * spec.prompts_per_step // len(rows)) + 1
-    trainer = ComposerReplicationTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=config,
-        train_dataset=Dataset.from_list(rows * repeats),
-        processing_class=tokenizer,
-    )
+    trainer = build_trainer(spec, rank, model, tokenizer, reward, Dataset.from_list(rows * repeats))
     trainer.remove_callback(PrinterCallback)  # the progress callback prints a compact line instead
     manager = MockManager(allreduce)
     history: list[StepRecord] = []

@@ -1,7 +1,8 @@
 """What the main job leaves in ``runs/<timestamp>/``: the terminal table, ``summary.md`` and ``composer_main.png``.
 
 The plot has six panels: the rollout reward per replica, the held-out pass rate before/after RL with its
-95% intervals, each channel's loss, and DiLoCo's rounds and megabytes through the store.
+95% intervals (all held-out tasks, the easy and the hard subset), each channel's loss, and DiLoCo's
+rounds and megabytes through the store.
 """
 
 from __future__ import annotations
@@ -37,10 +38,21 @@ class JobOutcome:
     phases: dict[str, float]
     load_average: str
     sandbox: str
+    hard: tuple[str, ...] = ()
+    """Names of the held-out tasks in the hard subset."""
 
     @property
     def change(self) -> Change:
         return Change.between(self.before, self.after)
+
+    def subsets(self) -> dict[str, tuple[PassRate, PassRate]]:
+        """``{"all" | "easy" | "hard": (before, after)}``, the subsets only when both are non-empty."""
+        out = {"all": (self.before, self.after)}
+        easy = [t for t in self.before.tasks if t not in set(self.hard)]
+        if self.hard and easy:
+            out["easy"] = (self.before.subset(easy), self.after.subset(easy))
+            out["hard"] = (self.before.subset(self.hard), self.after.subset(self.hard))
+        return out
 
 
 def window(steps: int) -> int:
@@ -86,14 +98,17 @@ def summary_table(outcome: JobOutcome) -> str:
     def fmt(cells: Sequence[str]) -> str:
         return "|".join(f" {c:<{w}} " for c, w in zip(cells, widths, strict=True))
 
-    change = outcome.change
-    verdict = _verdict(change)
-    held = (
+    held = [
         f"held-out pass rate ({outcome.heldout_tasks} tasks never trained on, {outcome.before.samples} samples each, "
-        f"95% intervals): before RL {outcome.before.text()} -> after RL {outcome.after.text()}; "
-        f"change {change.text()} ({verdict})"
-    )
-    return "\n".join([line, fmt(header), line, *(fmt(row) for row in rows), line, held])
+        "95% intervals):"
+    ]
+    for name, (before, after) in outcome.subsets().items():
+        change = Change.between(before, after)
+        held.append(
+            f"  {name:<4} ({len(before.tasks):>2} tasks): before RL {before.text()} -> after RL {after.text()}; "
+            f"change {change.text()} ({_verdict(change)})"
+        )
+    return "\n".join([line, fmt(header), line, *(fmt(row) for row in rows), line, *held])
 
 
 def _verdict(change: Change) -> str:
@@ -126,14 +141,15 @@ def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
         f"or the DPO pairs), {outcome.before.samples} sampled completions each; a completion passes when it passes "
         "every unit test. 95% intervals with the task as the unit.",
         "",
-        "| | pass rate | 95% interval |",
-        "|---|---|---|",
-        f"| before RL (warm start only) | {outcome.before.mean:.3f} | "
-        f"[{outcome.before.interval[0]:.3f}, {outcome.before.interval[1]:.3f}] |",
-        f"| after RL | {outcome.after.mean:.3f} | [{outcome.after.interval[0]:.3f}, {outcome.after.interval[1]:.3f}] |",
-        f"| change (paired by task) | {change.mean:+.3f} | [{lo:+.3f}, {hi:+.3f}] |",
+        "| tasks | before RL (warm start only) [95%] | after RL [95%] | change (paired by task) [95%] |",
+        "|---|---|---|---|",
+        *(
+            f"| {name} ({len(b.tasks)}) | {b.text()} | {a.text()} | {Change.between(b, a).text()} |"
+            for name, (b, a) in outcome.subsets().items()
+        ),
         "",
-        f"The change is {_verdict(change)} (its 95% interval {'excludes' if lo > 0 or hi < 0 else 'includes'} 0).",
+        f"The change is {_verdict(change)} (its 95% interval {'excludes' if lo > 0 or hi < 0 else 'includes'} 0). "
+        "Hard tasks name their argument otherwise than `x`; the warm start never shows them in plain form.",
         "",
         "## Training",
         "",
@@ -195,18 +211,19 @@ def plot(outcome: JobOutcome, path: Path) -> None:
     ax.legend(fontsize=8)
 
     ax = axes[0, 1]
-    change = outcome.change
-    means = [outcome.before.mean, outcome.after.mean]
-    errors = [[m - rate.interval[0] for m, rate in zip(means, (outcome.before, outcome.after), strict=True)]]
-    errors.append([rate.interval[1] - m for m, rate in zip(means, (outcome.before, outcome.after), strict=True)])
-    ax.bar(["before RL", "after RL"], means, yerr=errors, capsize=8, color=["#999999", "#2a7ab9"])
-    for x, m in enumerate(means):
-        ax.text(x, m / 2, f"{m:.3f}", ha="center", color="white", fontweight="bold")
-    ax.set(
-        title=f"held-out pass rate ({outcome.heldout_tasks} unseen tasks), 95% CI",
-        ylim=(0, 1),
-        xlabel=f"change {change.text()}",
-    )
+    groups = outcome.subsets()
+    for offset, (label, color, which) in enumerate((("before RL", "#999999", 0), ("after RL", "#2a7ab9", 1))):
+        rates = [pair[which] for pair in groups.values()]
+        xs = [i + (offset - 0.5) * 0.38 for i in range(len(rates))]
+        errors = [[r.mean - r.interval[0] for r in rates], [r.interval[1] - r.mean for r in rates]]
+        ax.bar(xs, [r.mean for r in rates], width=0.38, yerr=errors, capsize=5, color=color, label=label)
+        for x, r in zip(xs, rates, strict=True):
+            ax.text(x, r.mean + 0.02, f"{r.mean:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(range(len(groups)), [f"{n} ({len(b.tasks)})" for n, (b, _) in groups.items()])
+    changes = ", ".join(f"{n} {Change.between(b, a).mean:+.3f}" for n, (b, a) in groups.items())
+    ax.set(title=f"held-out pass rate ({outcome.heldout_tasks} unseen tasks), 95% CI", ylim=(0, 1),
+           xlabel=f"change: {changes}")  # fmt: skip
+    ax.legend(fontsize=8, loc="upper right")
 
     for ax, channel in zip((axes[0, 2], axes[1, 0], axes[1, 1]), CHANNELS, strict=True):
         if channel not in outcome.channels:

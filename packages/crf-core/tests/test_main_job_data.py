@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,10 +29,14 @@ def test_heldout_tasks_share_no_instance_with_anything_training_reads(tasks: Mod
     heldout = tasks.load_tasks(tasks.DATA / "tasks_heldout.jsonl")
     demos = tasks.load_demonstrations(tasks.DATA / "demonstrations.jsonl")
     traces = [json.loads(line) for line in (tasks.DATA / "traces.jsonl").read_text().splitlines()]
-    assert (len(train), len(heldout)) == (168, 60)
+    assert (len(train), len(heldout)) == (250, 88)
+    assert (sum(t.hard for t in train), sum(t.hard for t in heldout)) == (82, 28)
     assert {(t.template, t.k) for t in train}.isdisjoint({(t.template, t.k) for t in heldout})
     assert {t.template for t in train} == {t.template for t in heldout} == {t.stem for t in tasks.TEMPLATES}
+    assert {t.template for t in train if t.hard} == {t.template for t in heldout if t.hard} == set(tasks.HARD_TEMPLATES)
+    assert not {d.task for d in demos} & {t.name for t in train if t.hard}  # the warm start lacks the hard tasks
     assert {t.prompt for t in heldout}.isdisjoint({t.prompt for t in train} | {d.prompt for d in demos})
+    assert {t.solution for t in heldout}.isdisjoint({d.completion for d in demos})
     assert {d.task for d in demos} <= {t.name for t in train}
     assert all(d.completion == next(t.solution for t in train if t.name == d.task) for d in demos)
     assert {tr["meta"]["task"] for tr in traces} <= {t.name for t in train}
@@ -60,13 +65,43 @@ def test_each_task_is_passed_by_its_reference_and_by_no_other_body_of_the_family
     for task in family:
         scope: dict[str, Any] = {}
         calls = [compile(test.removeprefix("assert ").split(" == ")[0], "<test>", "eval") for test in task.tests]
-        expected = [eval(test.split(" == ")[1]) for test in task.tests]
+        expected = [eval(test.split(" == ")[1].split(", ")[0]) for test in task.tests]
         passing = []
         for body in {t.solution for t in family}:
             exec(task.prompt + body, scope)
             if [eval(call, scope) for call in calls] == expected:
                 passing.append(body)
         assert passing == [task.solution], (task.name, passing)
+
+
+def test_hard_tasks_are_absent_from_the_warm_start_and_drills_share_no_body_with_a_task(tasks: ModuleType) -> None:
+    """The mechanism the hard subset exists for: no warm-start batch holds a hard task or its operation's answer to
+    one, and the feedback drills (whose operation only the test's message tells) share no body with any task."""
+    import random
+
+    from main_job.feedback import FeedbackExample
+    from main_job.policy import warm_start_examples
+
+    family = tasks.build_family()
+    drills = tasks.build_drills()
+    assert {d.solution for d in drills}.isdisjoint({t.solution for t in family})
+    assert {d.template for d in drills} == {t.stem for t in tasks.TEMPLATES}  # reading every operator
+    demos = tasks.load_demonstrations(tasks.DATA / "demonstrations.jsonl")
+    feedback = [FeedbackExample(d.name, d.prompt, " x + 1", "1 of 3 tests failed.", d.solution) for d in drills]
+    rng = random.Random(0)
+    batches = [warm_start_examples(demos, feedback, rng, 16) for _ in range(20)]
+    hard = [t for t in family if t.hard]
+    texts = [text for batch in batches for pair in batch for text in pair]
+    tasks.check_unseen(hard, {"warm-start batches": texts})
+    assert any("A correct answer" in c for batch in batches for c, _ in batch)
+    assert any("An earlier answer failed" in c for batch in batches for c, _ in batch)
+    for task in family:  # every test's message is the wanted expression at the test's argument
+        for test in task.tests:
+            call, rest = test.removeprefix("assert ").split(" == ")
+            value, message = rest.split(", ", 1)
+            x = call[call.index("(") + 1 : -1]
+            assert eval(message) == re.sub(r"\bx\b", x, task.solution.strip())
+            assert eval(eval(message)) == eval(value)
 
 
 def test_check_unseen_catches_a_leak_by_name_or_prompt(tasks: ModuleType) -> None:
@@ -83,7 +118,9 @@ def test_check_unseen_catches_a_leak_by_name_or_prompt(tasks: ModuleType) -> Non
 def test_bad_task_files_are_refused_naming_the_line(tasks: ModuleType, tmp_path: Path) -> None:
     bad = tmp_path / "tasks.jsonl"
     bad.write_text('{"name": "add_2", "prompt": "p"}\n')
-    with pytest.raises(ValueError, match=r"tasks.jsonl:1: task 'add_2' lacks \['k', 'solution', 'template', 'tests'\]"):
+    with pytest.raises(
+        ValueError, match=r"tasks.jsonl:1: task 'add_2' lacks \['k', 'solution', 'template', 'tests'\]"
+    ):
         tasks.load_tasks(bad)
     bad.write_text("not json\n")
     with pytest.raises(ValueError, match=r"tasks\.jsonl:1 is not valid JSON"):
@@ -101,7 +138,8 @@ def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleTyp
     spec = JobSpec(
         output_dir="out", model_dir="m", train_tasks="t.jsonl", pairs=None, steps=20, sync_every=10,
         prompts_per_step=2, generations=8, max_completion_length=12, lr=1e-3, temperature=1.0,
-        weights={"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}, sdpo_feedback=False, outer_lr=1.0,
+        weights={"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}, sdpo_feedback=False, sdpo_routing="all",
+        sdpo_group_weight="uniform", trainer="crf", outer_lr=1.0,
         outer_momentum=0.0, sync_timeout=60.0, isolation="bwrap", sandbox_timeout=3.0, seed=0,
         threads=1, device="cpu",
     )  # fmt: skip
@@ -203,3 +241,20 @@ def test_main_job_falls_back_to_rlimits_and_says_so(
 
     reward = UnitTestReward(isolation=main.sandbox_isolation())
     assert reward([task.prompt], [task.solution], tests=[list(task.tests)]) == [1.0]
+
+
+def test_warm_start_feedback_is_the_sandboxs_account_of_wrong_attempts(tasks: ModuleType) -> None:
+    """The feedback the warm start shows is `UnitTestReward`'s own on the weak student's attempts: which test failed,
+    its message (the wanted expression), expected vs got, within the RL bound and cut at a line."""
+    from main_job.feedback import FEEDBACK_CHARS, feedback_examples
+
+    train = tasks.load_tasks(tasks.DATA / "tasks_train.jsonl")
+    pick = [next(t for t in train if not t.hard), tasks.build_drills()[-1]]
+    examples = feedback_examples(pick, isolation="rlimits", timeout_s=10.0, seed=0)
+    assert [e.task for e in examples] == [t.name for t in pick]
+    for example, task in zip(examples, pick, strict=True):
+        assert "failed" in example.feedback and "expected" in example.feedback and "returned" in example.feedback
+        assert any(test in example.feedback for test in task.tests)
+        assert example.completion == task.solution and example.prompt == task.prompt
+        assert len(example.feedback) <= FEEDBACK_CHARS
+        assert example.attempt != task.solution

@@ -229,8 +229,14 @@ class UnitTestReward:
         return TestOutcome(passed, total, self._bounded(f"{head}\n{shown}{more}"))
 
     def _bounded(self, text: str) -> str:
+        """``text`` within ``max_feedback_chars``, cut after its last whole line that fits (a cut line would
+        show half a name or number as if it were the program's)."""
         limit = self.max_feedback_chars
-        return text if len(text) <= limit else text[: limit - 15] + "\n[... cut ...]"
+        if len(text) <= limit:
+            return text
+        head = text[: limit - 14]
+        line_end = head.rfind("\n")
+        return (head[:line_end] if line_end > 0 else head) + "\n[... cut ...]"
 
 
 def _failure_text(check: Check, result: Returned | Raised, *, with_traceback: bool) -> str:

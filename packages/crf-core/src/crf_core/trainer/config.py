@@ -23,6 +23,7 @@ from crf_core.trainer.reprompt import (
     DEFAULT_SOLUTION_TEMPLATE,
     RepromptConfig,
 )
+from crf_core.trainer.sdpo_routing import SDPO_GROUP_WEIGHTS, SDPO_ROUTINGS, SDPOGroupWeight, SDPORouting
 from crf_distill import TAIDSchedule
 
 __all__ = ["TRACE_REPLAY_REFERENCES", "ComposerConfig"]
@@ -154,6 +155,23 @@ class ComposerConfig(GRPOConfig):
         },
     )
 
+    # ----------------------------------------------------------------- SDPO: which rollouts, how much
+    sdpo_routing: SDPORouting = field(
+        default="all",
+        metadata={
+            "help": "'all': SDPO on every rollout with a teacher signal, GRPO on every rollout (SDPO); 'srpo': "
+            "successful rollouts train through GRPO only and failed ones through SDPO only (their GRPO advantage "
+            "is 0), SRPO arXiv 2604.02288."
+        },
+    )
+    sdpo_group_weight: SDPOGroupWeight = field(
+        default="uniform",
+        metadata={
+            "help": "'uniform': every rollout's SDPO term weighs 1; 'success_variance': weighs sqrt(p(1-p)), p the "
+            "share of its group that succeeds (SC-SDPO, arXiv 2605.27765)."
+        },
+    )
+
     # ----------------------------------------------------------------- SDPO: reprompting
     sdpo_success_reward_threshold: float = field(
         default=1.0,
@@ -261,6 +279,15 @@ class ComposerConfig(GRPOConfig):
             raise ValueError(f"sdpo_teacher must be 'ema' or 'live', got {self.sdpo_teacher!r}")
         if not 0.0 <= self.sdpo_teacher_update_rate <= 1.0:
             raise ValueError(f"sdpo_teacher_update_rate must be in [0, 1], got {self.sdpo_teacher_update_rate}")
+        if self.sdpo_routing not in SDPO_ROUTINGS:
+            raise ValueError(f"sdpo_routing must be one of {SDPO_ROUTINGS}, got {self.sdpo_routing!r}")
+        if self.sdpo_group_weight not in SDPO_GROUP_WEIGHTS:
+            raise ValueError(f"sdpo_group_weight must be one of {SDPO_GROUP_WEIGHTS}, got {self.sdpo_group_weight!r}")
+        if self.sdpo_routing == "srpo" and self.grpo_weight == 0:
+            raise ValueError(
+                "sdpo_routing='srpo' sends successful rollouts to GRPO, which is off (grpo_weight=0); set "
+                "grpo_weight > 0 or sdpo_routing='all'"
+            )
         if self.sdpo_reprompt_truncation not in ("left", "right", "error"):
             raise ValueError(
                 f"sdpo_reprompt_truncation must be 'left', 'right' or 'error', got {self.sdpo_reprompt_truncation!r}"

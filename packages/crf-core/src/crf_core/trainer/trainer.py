@@ -66,6 +66,7 @@ from crf_core.trainer._trl_contract import (
 from crf_core.trainer.config import ComposerConfig
 from crf_core.trainer.pairs import PairCursor, TokenizedPair, check_pair_records, collate_pairs, tokenize_pairs
 from crf_core.trainer.reprompt import PromptLike, build_reprompts
+from crf_core.trainer.sdpo_routing import route_samples
 from crf_core.trainer.state import ChannelState
 from crf_core.trainer.teacher import EmaTeacher
 from crf_distill import RowTerm
@@ -269,8 +270,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
         )
         for name, value in batch.metrics.items():
             self._metrics[mode][f"self_distillation/{name}"].append(value)
+        cfg = self.composer_args
+        routing = route_samples(
+            rewards.tolist(), group, cfg.sdpo_success_reward_threshold, cfg.sdpo_routing, cfg.sdpo_group_weight
+        )
         start = self.accelerator.process_index * n_local
         local = batch.reprompts[start : start + n_local]
+        local_weight = routing.sdpo_weight[start : start + n_local]
         ids = self._tokenize_teacher_prompts([r.prompt for r in local])
         width = max(len(x) for x in ids)
         teacher_ids = torch.full((n_local, width), self._pad_id(), dtype=torch.long)
@@ -279,12 +285,16 @@ class ComposerReplicationTrainer(GRPOTrainer):
             if row:
                 teacher_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
                 teacher_mask[i, width - len(row) :] = 1
-        signal = torch.tensor([float(r.has_signal) for r in local])
-        return {
+        signal = torch.tensor([float(r.has_signal) * w for r, w in zip(local, local_weight, strict=True)])
+        inputs = {
             "sdpo_teacher_prompt_ids": teacher_ids.to(device),
             "sdpo_teacher_prompt_mask": teacher_mask.to(device),
             "sdpo_mask": signal.to(device),
         }
+        if cfg.sdpo_routing == "srpo" and "advantages" in output:  # failed rollouts leave GRPO to SDPO
+            kept = torch.tensor(routing.grpo_kept[start : start + n_local], device=output["advantages"].device)
+            inputs["advantages"] = torch.where(kept, output["advantages"], torch.zeros_like(output["advantages"]))
+        return inputs
 
     def _tokenize_teacher_prompts(self, prompts: Sequence[PromptLike]) -> list[list[int]]:
         cfg = self.composer_args
@@ -470,7 +480,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
             mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             scores = score_completions(self._head(model), ids, mask, shared.logits_to_keep, extra=shared.factory)
         assert scores.extra is not None
-        return token_mean(scores.extra, weights)
+        # `sdpo_mask` is 1 per sample with a teacher signal, or that sample's routing weight (SC-SDPO); the
+        # weight scales its terms while the mean still counts every signalled token once.
+        return token_mean(scores.extra * inputs["sdpo_mask"][:, None].to(scores.extra.dtype), weights)
 
     def sdpo_channel_loss(self, model: Any, inputs: Mapping[str, Any]) -> torch.Tensor | None:
         """The SDPO loss of one micro-batch (before weight and GA scaling); None if no sample has a teacher signal."""
