@@ -840,3 +840,80 @@ def test_trace_meta_or_tools_nested_to_the_limit_are_refused_before_paying(
     assert summary.pairs_written == 4
     assert [e for e in read_pairs(out) if isinstance(e, RecordError)] == []
     contained()
+
+
+# --------------------------------------------------------------------------- round two: the default recipe keeps code
+
+STDLIB_MODULES = ["argparse", "ast", "bisect", "calendar", "configparser", "csv", "dataclasses", "difflib", "enum",
+                  "fractions", "functools", "gettext", "glob", "gzip", "heapq", "inspect", "ipaddress", "json.decoder",
+                  "json.encoder", "locale", "logging", "mimetypes", "netrc", "numbers", "operator", "optparse",
+                  "pathlib", "pprint", "queue", "quopri", "random", "sched", "secrets", "selectors", "shlex", "shutil",
+                  "statistics", "string", "tarfile", "tempfile", "textwrap", "threading", "tokenize", "traceback",
+                  "types", "typing", "uuid", "warnings", "weakref", "zipfile"]  # fmt: skip
+MUTATIONS = [("==", "!="), (" < ", " <= "), ("+ 1", "- 1"), ("return ", "return not "), (" and ", " or "),
+             ("True", "False"), ("None", "0")]  # fmt: skip
+
+
+def stdlib_functions(n: int) -> list[tuple[str, str]]:
+    """``n`` distinct functions and methods of Python's own standard library (its source files at test time),
+    as ``(qualified name, dedented source)``, chosen by a seeded draw."""
+    import ast
+    import importlib.util
+    import random
+    import textwrap
+
+    found: dict[str, str] = {}
+    for module in STDLIB_MODULES:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin or not Path(spec.origin).is_file():
+            continue  # frozen or built in
+        source = Path(spec.origin).read_text(encoding="utf-8")
+        source_lines = source.splitlines(keepends=True)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                code = textwrap.dedent("".join(source_lines[node.lineno - 1 : node.end_lineno]))
+                if len(code) <= 4000:
+                    found.setdefault(code, f"{module}.{node.name}")
+    assert len(found) >= n, len(found)
+    picked = random.Random(0).sample(sorted(found.items()), n)
+    return [(name, code) for code, name in picked]
+
+
+def mutated(code: str, seed: int) -> str:
+    """A plausible wrong version of ``code``: one operator or constant flipped, else its last line replaced."""
+    import random
+
+    for old, new in random.Random(seed).sample(MUTATIONS, len(MUTATIONS)):
+        if old in code:
+            return code.replace(old, new, 1)
+    return "\n".join([*code.splitlines()[:-1], "    pass"])
+
+
+JUNK = {
+    "punctuation run": "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!",
+    "emoji flood": "🎉🎉🎉🎉🎉🎉🎉 wow 🎉🎉🎉🎉🎉🎉🎉 so 🎉🎉🎉🎉🎉🎉 cool 🎉🎉🎉🎉🎉",
+    "digit run": "1234 5678 9012 3456 7890 1234 5678 9012",
+    "symbol soup": "$$$ ### @@@ %%% ^^^ &&& *** ((( ))) ~~~ ||| <<< >>>",
+    "binary": "".join(map(chr, range(0x80, 0x100))) * 2,
+    "looping": "I will now run the tests. " * 30,
+    "too short": "ok.",
+}
+
+
+def test_the_default_recipe_keeps_98_percent_of_real_code_and_still_drops_junk(tmp_path, capsys, contained):
+    functions = stdlib_functions(500)
+    rows = [{"prompt": f"Write {name} as in CPython's standard library.", "chosen": code,
+             "rejected": mutated(code, i)} for i, (name, code) in enumerate(functions)]  # fmt: skip
+    rows += [{"prompt": f"Junk: {kind}", "chosen": text, "rejected": "def f(x):\n    return x + 1\n"}
+             for kind, text in JUNK.items()]  # fmt: skip
+    src = tmp_path / "stdlib.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "kept.jsonl"
+    assert main(["normalize", str(src), str(out), "--output-format", "trl"]) == 0
+    err = capsys.readouterr().err
+    assert f"normalize: {len(rows)} records" in err  # the progress line counts records
+    kept = {row["prompt"] for row in map(json.loads, lines(out))}
+    kept_code = sum(f"Write {name} as in CPython's standard library." in kept for name, _ in functions)
+    assert kept_code >= 490, f"kept {kept_code} of 500 functions\n{err}"  # >= 98 %
+    assert [kind for kind in JUNK if f"Junk: {kind}" in kept] == []
+    contained()

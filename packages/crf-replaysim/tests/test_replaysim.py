@@ -174,6 +174,11 @@ def _stat(name: str, text: str, **args: Any) -> float:
         ("special_characters_filter", "", {}, 0.0),
         ("special_characters_filter", "a😀b…", {}, 0.5),  # emoji and the ellipsis are special
         ("special_characters_filter", "ab\u00e9\u4e2d", {}, 0.0),
+        # crf-replaysim's extension: whitespace (indentation, line breaks, U+3000) is not counted at all
+        ("special_characters_filter", "if x:\n        return 1\n", {"count_whitespace": False}, 2 / 11),
+        ("special_characters_filter", "if x:\n        return 1\n", {}, 14 / 23),  # data-juicer: 0.61, dropped
+        ("special_characters_filter", "a\u3000\t!", {"count_whitespace": False}, 0.5),
+        ("special_characters_filter", " \n\t", {"count_whitespace": False}, 0.0),
         ("alphanumeric_filter", "ab1_ !", {}, 0.5),  # underscore is not alphanumeric
         ("alphanumeric_filter", "日本x", {}, 1.0),
         ("words_num_filter", "a ,, b\tc\n!!!\r", {}, 3),  # ",," and "!!!\r" strip to nothing
@@ -190,6 +195,11 @@ def _stat(name: str, text: str, **args: Any) -> float:
 )
 def test_native_filter_statistics_by_hand(name: str, text: str, args: dict[str, Any], expected: float) -> None:
     assert _stat(name, text, **args) == pytest.approx(expected, abs=0, rel=1e-12)
+
+
+def test_extension_arguments_are_checked() -> None:
+    with pytest.raises(RecipeError, match="count_whitespace must be true or false"):
+        OPS["special_characters_filter"](text_key="chosen", count_whitespace="no")
 
 
 def test_native_filter_interval_closure_and_reversed_range() -> None:
@@ -399,7 +409,7 @@ def test_default_recipe_on_synthetic_corpus_keeps_good_and_drops_junk() -> None:
     assert stats.kept == len(kept)
     assert 0 < len(kept) < 2000
     assert sum(stats.dropped_per_op.values()) == 2000 - len(kept)
-    special = OPS["special_characters_filter"](text_key="chosen")
+    special = OPS["special_characters_filter"](text_key="chosen", count_whitespace=False)  # the recipe's statistic
     assert all(special.stat(r[side]) <= 0.5 for r in kept for side in ("chosen", "rejected"))
     assert all(len(r["chosen"]) >= 10 and len(r["rejected"]) >= 10 for r in kept)
     assert stats.dropped_per_op["document_deduplicator(pair)"] > 0

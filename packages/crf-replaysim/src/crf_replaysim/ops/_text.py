@@ -29,6 +29,7 @@ _ASCII_REFINED_WORD = re.compile(
     f"[{_ASCII_WORD_CHAR}](?:[{_ASCII_WORD_CHAR}{_ASCII_INNER_SPECIAL}]*[{_ASCII_WORD_CHAR}])?"
 )
 _DELETE_SPECIAL_NOT_SEPARATOR = {ord(c): None for c in SPECIAL_CHARACTERS if c not in _SEPARATOR_CHARS}
+_ASCII_WHITESPACE = bytes(cp for cp in range(128) if chr(cp).isspace())
 _is_special = SPECIAL_CHARACTERS.__contains__
 
 
@@ -38,6 +39,13 @@ def count_special(text: str) -> int:
         raw = text.encode("ascii")
         return len(raw) - len(raw.translate(None, _ASCII_SPECIAL))
     return sum(map(_is_special, text))
+
+
+def drop_whitespace(text: str) -> str:
+    """``text`` without the characters for which ``str.isspace()`` holds."""
+    if text.isascii():
+        return text.encode("ascii").translate(None, _ASCII_WHITESPACE).decode("ascii")
+    return "".join(c for c in text if not c.isspace())
 
 
 def count_alnum(text: str) -> int:
