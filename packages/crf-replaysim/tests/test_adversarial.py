@@ -902,7 +902,7 @@ JUNK = {
 
 def test_the_default_recipe_keeps_98_percent_of_real_code_and_still_drops_junk(tmp_path, capsys, contained):
     functions = stdlib_functions(500)
-    rows = [{"prompt": f"Write {name} as in CPython's standard library.", "chosen": code,
+    rows = [{"prompt": f"Write {name} as in CPython's standard library (#{i}).", "chosen": code,
              "rejected": mutated(code, i)} for i, (name, code) in enumerate(functions)]  # fmt: skip
     rows += [{"prompt": f"Junk: {kind}", "chosen": text, "rejected": "def f(x):\n    return x + 1\n"}
              for kind, text in JUNK.items()]  # fmt: skip
@@ -913,7 +913,7 @@ def test_the_default_recipe_keeps_98_percent_of_real_code_and_still_drops_junk(t
     err = capsys.readouterr().err
     assert f"normalize: {len(rows)} records" in err  # the progress line counts records
     kept = {row["prompt"] for row in map(json.loads, lines(out))}
-    kept_code = sum(f"Write {name} as in CPython's standard library." in kept for name, _ in functions)
+    kept_code = sum(row["prompt"] in kept for row in rows[: len(functions)])
     assert kept_code >= 490, f"kept {kept_code} of 500 functions\n{err}"  # >= 98 %
     assert [kind for kind in JUNK if f"Junk: {kind}" in kept] == []
     contained()
