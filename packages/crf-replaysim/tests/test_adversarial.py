@@ -434,7 +434,7 @@ def _wait_for_lines(path: Path, n: int, timeout: float = 30.0) -> None:
 def test_ctrl_c_in_replay_keeps_the_old_output_and_resumes_without_paying_twice(
     teacher_server, api_key, tmp_path, contained, trace_factory, jsonl_writer
 ):
-    teacher_server.responder = lambda body: {"sleep": 0.05, "message": {"role": "assistant", "content": "teacher"}}
+    teacher_server.responder = lambda body: {"sleep": 0.2, "message": {"role": "assistant", "content": "teacher"}}
     traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 20))
     out, cache = tmp_path / "p.jsonl", tmp_path / "cache"
     out.write_text("previous output\n", encoding="utf-8")
