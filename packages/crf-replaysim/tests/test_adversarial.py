@@ -345,8 +345,9 @@ def test_a_gzip_bomb_is_stopped_at_the_cap_in_bounded_memory(teacher_server, mak
         ({"raw": b"{}", "headers": {"Content-Encoding": "br"}}, "unsupported Content-Encoding"),
         ({"json": {"choices": [{"message": {"role": "assistant", "content": "\ud83d"}}]}}, "lone surrogate"),
         ({"raw": b'{"choices": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"}, "not JSON|nested"),
+        ({"raw": b'{"choices": [{"message": {"role": "assistant", "content": "x"}}], "usage": {"n": NaN}}'}, "NaN"),
     ],
-    ids=["broken gzip", "truncated deflate", "unknown encoding", "lone surrogate reply", "deep reply"],
+    ids=["broken gzip", "truncated deflate", "unknown encoding", "lone surrogate reply", "deep reply", "NaN reply"],
 )
 def test_unusable_bodies_fail_the_request_not_the_client(teacher_server, make_client, contained, entry, match):
     if "lone surrogate" in match:  # json.dumps writes it as an escape, as a hostile server would
