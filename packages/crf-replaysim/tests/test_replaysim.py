@@ -197,6 +197,22 @@ def test_native_filter_statistics_by_hand(name: str, text: str, args: dict[str, 
     assert _stat(name, text, **args) == pytest.approx(expected, abs=0, rel=1e-12)
 
 
+def test_special_characters_without_whitespace_equals_its_definition() -> None:
+    """The fast ASCII path and the general path both equal the definition: specials among non-space characters."""
+    import random
+
+    from crf_replaysim.ops._text import SPECIAL_CHARACTERS
+
+    op = OPS["special_characters_filter"](text_key="x", count_whitespace=False)
+    rng = random.Random(1)
+    alphabet = [chr(c) for c in range(128)] + ["\u3000", "\u00e9", "\U0001f389", "\u00a0", "\u2028", "\x85"]
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        shown = [c for c in text if not c.isspace()]
+        expected = sum(c in SPECIAL_CHARACTERS for c in shown) / len(shown) if shown else 0.0
+        assert op.stat(text) == expected, repr(text)
+
+
 def test_extension_arguments_are_checked() -> None:
     with pytest.raises(RecipeError, match="count_whitespace must be true or false"):
         OPS["special_characters_filter"](text_key="chosen", count_whitespace="no")

@@ -30,6 +30,8 @@ _ASCII_REFINED_WORD = re.compile(
 )
 _DELETE_SPECIAL_NOT_SEPARATOR = {ord(c): None for c in SPECIAL_CHARACTERS if c not in _SEPARATOR_CHARS}
 _ASCII_WHITESPACE = bytes(cp for cp in range(128) if chr(cp).isspace())
+_ASCII_NOT_WHITESPACE_COMPLEMENT = bytes(cp for cp in range(128) if not chr(cp).isspace())
+_ASCII_SPECIAL_VISIBLE = bytes(b for b in _ASCII_SPECIAL if not chr(b).isspace())
 _is_special = SPECIAL_CHARACTERS.__contains__
 
 
@@ -41,11 +43,15 @@ def count_special(text: str) -> int:
     return sum(map(_is_special, text))
 
 
-def drop_whitespace(text: str) -> str:
-    """``text`` without the characters for which ``str.isspace()`` holds."""
+def count_visible_special(text: str) -> tuple[int, int]:
+    """``(special, visible)``: how many characters of ``text`` are not whitespace (``str.isspace()``), and how
+    many of those are in :data:`SPECIAL_CHARACTERS`."""
     if text.isascii():
-        return text.encode("ascii").translate(None, _ASCII_WHITESPACE).decode("ascii")
-    return "".join(c for c in text if not c.isspace())
+        raw = text.encode("ascii")
+        visible = len(raw) - len(raw.translate(None, _ASCII_NOT_WHITESPACE_COMPLEMENT))
+        return visible - len(raw.translate(None, _ASCII_WHITESPACE + _ASCII_SPECIAL_VISIBLE)), visible
+    shown = [c for c in text if not c.isspace()]
+    return sum(map(_is_special, shown)), len(shown)
 
 
 def count_alnum(text: str) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from crf_replaysim.ops._base import Bounds, NativeFilter, check_bool
-from crf_replaysim.ops._text import count_special, drop_whitespace
+from crf_replaysim.ops._text import count_special, count_visible_special
 
 
 class SpecialCharactersFilter(NativeFilter):
@@ -33,6 +33,7 @@ class SpecialCharactersFilter(NativeFilter):
         self.count_whitespace = check_bool(self.name, "count_whitespace", values["count_whitespace"])
 
     def stat(self, text: str) -> float:
-        if not self.count_whitespace:
-            text = drop_whitespace(text)
-        return count_special(text) / len(text) if text else 0.0
+        if self.count_whitespace:
+            return count_special(text) / len(text) if text else 0.0
+        special, visible = count_visible_special(text)
+        return special / visible if visible else 0.0
