@@ -247,7 +247,7 @@ def _parse_completion(data: Any) -> tuple[dict[str, Any], str | None, str | None
     raw = choices[0].get("message")
     if not isinstance(raw, dict):
         raise TeacherResponseError("reply's choices[0] has no 'message' object")
-    usage = reply_usage(data)
+    usage = _reply_usage(data)
     message: dict[str, Any] = {"role": "assistant", "content": raw.get("content")}
     if raw.get("tool_calls"):
         message["tool_calls"] = _normalise_tool_calls(raw["tool_calls"])
@@ -262,7 +262,7 @@ def _parse_completion(data: Any) -> tuple[dict[str, Any], str | None, str | None
     return message, finish if isinstance(finish, str) else None, model, usage
 
 
-def reply_usage(data: Any) -> dict[str, Any] | None:
+def _reply_usage(data: Any) -> dict[str, Any] | None:
     """The ``usage`` object of a decoded reply, if it has one."""
     usage = data.get("usage") if isinstance(data, dict) else None
     return usage if isinstance(usage, dict) else None
