@@ -14,6 +14,7 @@ Run with ``nox -s transformers_server`` (tagged ci), which installs the ``serve`
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -37,6 +38,9 @@ pytestmark = pytest.mark.openai_server
 
 _REQUIRED = os.environ.get("CRF_REQUIRE_TRANSFORMERS_SERVE") == "1"
 _MISSING = [m for m in ("torch", "transformers", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+_SERVE_FROM = (5, 24)  # the `serve` group's floor: its server, tool-call parser and error bodies are what is tested
+if not _MISSING and tuple(int(p) for p in importlib.metadata.version("transformers").split(".")[:2]) < _SERVE_FROM:
+    _MISSING.append("transformers>=5.24")
 if _MISSING and not _REQUIRED:
     pytest.skip(f"needs {', '.join(_MISSING)}: run `nox -s transformers_server`", allow_module_level=True)
 
