@@ -218,6 +218,15 @@ def openai_server(session: nox.Session) -> None:
 
 
 @nox.session(python=CI_PYTHON, tags=["ci"])
+def transformers_server(session: nox.Session) -> None:
+    """crf-replaysim replaying traces through `transformers serve` (a real OpenAI-compatible server from
+    transformers[serving]) on a tiny tool-calling model the test writes to disk; offline, CPU, under a minute."""
+    install(session, "crf-replaysim", [], groups=("test", "serve"))
+    session.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CRF_REQUIRE_TRANSFORMERS_SERVE="1")
+    run_pytest(session, [str(ROOT / "packages" / "crf-replaysim" / "tests" / "test_transformers_server.py")])
+
+
+@nox.session(python=CI_PYTHON, tags=["ci"])
 def ray(session: nox.Session) -> None:
     """crf-diloco's RayExecutor on a local Ray cluster."""
     install(session, "crf-diloco", _extras("crf-diloco", heavy=True))

@@ -345,8 +345,9 @@ def test_a_gzip_bomb_is_stopped_at_the_cap_in_bounded_memory(teacher_server, mak
         ({"raw": b"{}", "headers": {"Content-Encoding": "br"}}, "unsupported Content-Encoding"),
         ({"json": {"choices": [{"message": {"role": "assistant", "content": "\ud83d"}}]}}, "lone surrogate"),
         ({"raw": b'{"choices": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"}, "not JSON|nested"),
+        ({"raw": b'{"choices": [{"message": {"role": "assistant", "content": "x"}}], "usage": {"n": NaN}}'}, "NaN"),
     ],
-    ids=["broken gzip", "truncated deflate", "unknown encoding", "lone surrogate reply", "deep reply"],
+    ids=["broken gzip", "truncated deflate", "unknown encoding", "lone surrogate reply", "deep reply", "NaN reply"],
 )
 def test_unusable_bodies_fail_the_request_not_the_client(teacher_server, make_client, contained, entry, match):
     if "lone surrogate" in match:  # json.dumps writes it as an escape, as a hostile server would
@@ -434,7 +435,7 @@ def _wait_for_lines(path: Path, n: int, timeout: float = 30.0) -> None:
 def test_ctrl_c_in_replay_keeps_the_old_output_and_resumes_without_paying_twice(
     teacher_server, api_key, tmp_path, contained, trace_factory, jsonl_writer
 ):
-    teacher_server.responder = lambda body: {"sleep": 0.05, "message": {"role": "assistant", "content": "teacher"}}
+    teacher_server.responder = lambda body: {"sleep": 0.2, "message": {"role": "assistant", "content": "teacher"}}
     traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 20))
     out, cache = tmp_path / "p.jsonl", tmp_path / "cache"
     out.write_text("previous output\n", encoding="utf-8")
@@ -572,4 +573,348 @@ def test_concurrent_replays_sharing_a_cache_do_not_collide(
     entries = list(cache.rglob("*"))
     assert not [p for p in entries if p.name.startswith(".")]  # no temporary file left behind
     assert all(json.loads(p.read_text())["response"] for p in entries if p.is_file())
+    contained()
+
+
+# --------------------------------------------------------------------------- round two: hostile JSON inside values
+
+DEEP_ARGS = "[" * 5_000 + "]" * 5_000  # valid JSON, nested past every recursion limit
+
+
+def tool_reply(arguments: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "k1", "type": "function", "function": {"name": "run_command", "arguments": arguments}}]}  # fmt: skip
+
+
+def test_deep_tool_arguments_from_the_teacher_fail_one_point_and_are_paid_once(
+    teacher_server, make_client, tmp_path, contained, trace_factory, jsonl_writer
+):
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 2))
+    hostile = "List the files of t1."
+    teacher_server.responder = lambda body: (
+        tool_reply(DEEP_ARGS) if body["messages"][0]["content"] == hostile and len(body["messages"]) == 1
+        else {"role": "assistant", "content": f"teacher action after {len(body['messages'])} messages"}
+    )  # fmt: skip
+    out, cache = tmp_path / "p.jsonl", tmp_path / "cache"
+    summary = replay_jsonl(traces, out, client=make_client(cache_dir=cache))
+    assert [(tid, turn) for _, tid, turn, _ in summary.failed] == [("t1", 1)]
+    assert "nested too deeply" in summary.failed[0][3]
+    assert summary.pairs_written == 3
+    assert len(teacher_server.requests) == 4
+    assert summary.prompt_tokens == 40  # the hostile reply was paid for, and is counted
+    rerun = replay_jsonl(traces, tmp_path / "again.jsonl", client=make_client(cache_dir=cache))
+    assert len(teacher_server.requests) == 4  # nothing paid twice: the same failure, from the cache
+    assert (rerun.cache_hits, len(rerun.failed), rerun.pairs_written) == (4, 1, 3)
+    contained()
+
+
+@pytest.mark.parametrize("chosen", ["teacher", "recorded"])
+def test_deep_tool_arguments_in_a_recorded_trace_cost_at_most_their_point(
+    teacher_server, make_client, tmp_path, contained, trace_factory, jsonl_writer, chosen
+):
+    rows = distinct_traces(trace_factory, 3)
+    rows[1]["messages"][1]["tool_calls"][0]["function"]["arguments"] = DEEP_ARGS
+    traces = jsonl_writer(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "p.jsonl"
+    summary = replay_jsonl(traces, out, client=make_client(), chosen=chosen)
+    assert summary.malformed == []
+    if chosen == "teacher":  # the broken call is a fine negative example
+        assert (summary.pairs_written, summary.failed) == (6, [])
+        assert len(teacher_server.requests) == 6
+    else:  # it cannot be preferred: refused before anything is paid for it
+        assert [(tid, turn) for _, tid, turn, _ in summary.failed] == [("t1", 1)]
+        assert "checked before asking" in summary.failed[0][3]
+        assert len(teacher_server.requests) == 5
+    assert [e for e in read_pairs(out) if isinstance(e, RecordError)] == []
+    contained()
+
+
+def _trl_row(i: int, tools: Any) -> dict[str, Any]:
+    return {"prompt": [{"role": "user", "content": f"Fix bug number {i} in the parser module."}],
+            "chosen": [{"role": "assistant", "content": f"I will read parser.py first and fix bug {i}."}],
+            "rejected": [{"role": "assistant", "content": f"Bug {i} is not worth fixing at all today."}],
+            "tools": tools}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["normalize", "validate"])
+def test_a_trl_row_whose_tools_string_is_5000_deep_is_reported_and_the_rest_written(
+    tmp_path, capsys, contained, command
+):
+    good_tools = json.dumps([{"type": "function", "function": {"name": "read_file", "parameters": {}}}])
+    rows = [_trl_row(i, good_tools) for i in range(5)]
+    rows[2]["tools"] = DEEP_ARGS
+    src = tmp_path / "trl.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    args = ["normalize", str(src), str(out), "--skip-dj"] if command == "normalize" else ["validate", str(src)]
+    assert main([*args, "--quiet"]) == (0 if command == "normalize" else 3)
+    err = capsys.readouterr().err
+    assert "line 3: " in err, err
+    assert "nested too deeply" in err, err
+    if command == "normalize":
+        assert len(lines(out)) == 4
+    contained()
+
+
+NOT_AN_OBJECT = {"cut short": '{"command": "ls"', "null": "null", "array": "[1,2]", "empty": ""}
+
+
+@pytest.mark.parametrize("kind", list(NOT_AN_OBJECT))
+def test_tool_arguments_that_are_not_an_object_are_never_chosen(
+    teacher_server, make_client, tmp_path, capsys, contained, trace_factory, jsonl_writer, kind
+):
+    arguments = NOT_AN_OBJECT[kind]
+    teacher_server.responder = lambda body: tool_reply(arguments)
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 2))
+    out = tmp_path / "p.jsonl"
+    summary = replay_jsonl(traces, out, client=make_client())
+    assert summary.pairs_written == 0
+    assert len(summary.failed) == 4
+    assert all("chosen_messages[0].tool_calls[0].function.arguments" in why for *_, why in summary.failed)
+    assert len(teacher_server.requests) == 4  # accepted by the client, refused as a pair: never retried
+    # Chosen the other way round, the same calls are fine negatives.
+    kept = replay_jsonl(traces, tmp_path / "r.jsonl", client=make_client(), chosen="recorded")
+    assert (kept.pairs_written, kept.failed) == (4, [])
+    # A pair file written by something else that prefers such a call is invalid.
+    record = json.loads(lines(tmp_path / "r.jsonl")[0])
+    record["chosen_messages"], record["rejected_messages"] = record["rejected_messages"], record["chosen_messages"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(GOOD[0] + "\n" + json.dumps(record) + "\n", encoding="utf-8")
+    assert main(["validate", str(bad), "--quiet"]) == 3
+    err = capsys.readouterr().err
+    assert "valid records:   1" in err
+    assert "line 2: chosen_messages[0].tool_calls[0].function.arguments" in err
+    contained()
+
+
+# --------------------------------------------------------------------------- round two: runs that are interrupted
+
+
+def test_a_torn_journal_then_a_second_interruption_still_resumes_without_paying_again(
+    teacher_server, make_client, tmp_path, contained, trace_factory, jsonl_writer
+):
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 4))
+    out, cache = tmp_path / "p.jsonl", tmp_path / "cache"
+    partial, journal = replay_state_paths(out)
+
+    def stop_at(n: int) -> Any:
+        def progress(done: int) -> None:
+            if done == n:
+                raise KeyboardInterrupt
+
+        return progress
+
+    def run(progress: Any = None) -> Any:
+        client = make_client(cache_dir=cache, max_concurrency=1)
+        return replay_jsonl(traces, out, client=client, max_pending=1, progress=progress)
+
+    with pytest.raises(KeyboardInterrupt):
+        run(stop_at(3))
+    with open(journal, "ab") as fh:  # the kill came mid-line
+        fh.write(b'{"line": 2, "tu')
+    with open(partial, "ab") as fh:
+        fh.write(b'{"cut')
+    with pytest.raises(KeyboardInterrupt):
+        run(stop_at(6))  # resumed, then interrupted again: it appends after the torn fragment
+    assert all(line.endswith(b"}") for line in journal.read_bytes().splitlines())
+    summary = run()
+    assert (summary.resumed, summary.pairs_written, summary.failed) == (6, 8, [])
+    assert len(teacher_server.requests) == 8  # each of the 8 points paid for once
+    assert [(p["trace_id"], p["turn"]) for p in map(json.loads, lines(out))] == [
+        (f"t{i}", t) for i in range(4) for t in (1, 3)
+    ]
+    contained()
+
+
+def test_a_billed_reply_that_fails_validation_is_paid_once_and_counted(
+    teacher_server, api_key, tmp_path, capsys, contained, trace_factory, jsonl_writer
+):
+    teacher_server.responder = lambda body: {"role": "assistant", "content": ""}  # 200, billed, unusable
+    traces = jsonl_writer(tmp_path / "t.jsonl", distinct_traces(trace_factory, 2))
+    out, cache = tmp_path / "p.jsonl", tmp_path / "cache"
+    assert main(replay_cli(teacher_server, traces, out, "--cache-dir", str(cache))) == 0
+    err = capsys.readouterr().err
+    assert len(teacher_server.requests) == 4  # not 4 x 6
+    assert "failed points:    4" in err
+    assert "teacher tokens:   prompt 40, completion 20 (paid this run)" in err
+    assert "retries 0" in err
+    assert main(replay_cli(teacher_server, traces, tmp_path / "again.jsonl", "--cache-dir", str(cache))) == 0
+    assert len(teacher_server.requests) == 4
+    assert "teacher tokens:   prompt 0, completion 0" in capsys.readouterr().err
+    contained()
+
+
+# --------------------------------------------------------------------------- round two: credentials and options
+
+
+def test_a_token_given_as_the_url_username_alone_is_redacted(teacher_server, tmp_path, caplog, contained):
+    token = "tok-" + os.urandom(12).hex()
+    teacher_server.script.extend([{"status": 500, "raw": f"unknown user {token}".encode()}] * 2)
+    host = teacher_server.base_url.removeprefix("http://")
+    client = TeacherClient("m", base_url=f"http://{token}@{host}", api_key_env=None, max_retries=1,
+                           backoff_base_s=0.01, backoff_max_s=0.02)  # fmt: skip
+    with caplog.at_level(logging.DEBUG), pytest.raises(TeacherRetriesExhausted) as info:
+        complete(client)
+    assert "unknown user <secret>" in str(info.value)
+    assert "retrying" in caplog.text
+    for text in (repr(client), str(info.value), repr(info.value.last_error), caplog.text, client.chat_url):
+        assert token not in text
+    assert teacher_server.requests[0]["headers"]["Authorization"].startswith("Basic ")
+    contained()
+
+
+@pytest.mark.parametrize(
+    "url", ["http://evil.localhost:9/v1", "http://a.b.localhost:9/v1", "http://localhost.:9/v1.evil.com"]
+)
+def test_a_localhost_lookalike_is_not_loopback(api_key, contained, url):
+    if url.endswith(".evil.com"):  # a path, not a host: this one is localhost itself
+        TeacherClient("m", base_url=url, api_key_env=KEY_ENV)
+    else:
+        with pytest.raises(TeacherConfigError, match="plain http://"):
+            TeacherClient("m", base_url=url, api_key_env=KEY_ENV)
+    contained()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize(
+    "option", ["timeout_s", "connect_timeout_s", "backoff_base_s", "backoff_max_s", "max_retry_after_s", "temperature"]
+)
+def test_non_finite_numeric_options_are_refused(api_key, contained, option, value):
+    with pytest.raises(TeacherConfigError, match=f"{option} must be a finite number"):
+        TeacherClient("m", base_url="http://127.0.0.1:9/v1", api_key_env=KEY_ENV, **{option: value})
+    contained()
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--backoff-base", "--backoff-max", "--temperature"])
+def test_non_finite_numbers_on_the_command_line_are_refused(teacher_server, api_key, tmp_path, capsys, contained, flag):
+    traces = tmp_path / "t.jsonl"
+    traces.write_text("{}\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        main([*replay_cli(teacher_server, traces, tmp_path / "p.jsonl"), flag, "nan"])
+    assert info.value.code == 2
+    assert "'nan' is not a finite number" in capsys.readouterr().err
+    assert teacher_server.requests == []
+    contained()
+
+
+@pytest.mark.parametrize(
+    "bad", ["\u200b", "\x01", "\n", "\x7f", " ", "\u00e9"], ids=["zero-width", "SOH", "LF", "DEL", "space", "e-acute"]
+)
+def test_a_key_that_cannot_be_a_header_fails_before_any_request(
+    teacher_server, tmp_path, capsys, monkeypatch, contained, trace_factory, jsonl_writer, bad
+):
+    key = "sk-or-" + os.urandom(8).hex()
+    monkeypatch.setenv(KEY_ENV, key[:10] + bad + key[10:])
+    traces = jsonl_writer(tmp_path / "t.jsonl", [trace_factory("a")])
+    assert main(replay_cli(teacher_server, traces, tmp_path / "p.jsonl")) == 1
+    err = capsys.readouterr().err
+    assert f"character 11 is U+{ord(bad):04X}, not printable ASCII" in err
+    assert key[:10] not in err
+    assert key[10:] not in err
+    assert teacher_server.requests == []
+    contained()
+
+
+def _nest(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(levels):
+        value = {"x": value}
+    return value
+
+
+@pytest.mark.parametrize("where", ["meta", "tools"])
+def test_trace_meta_or_tools_nested_to_the_limit_are_refused_before_paying(
+    teacher_server, make_client, tmp_path, contained, trace_factory, jsonl_writer, where
+):
+    rows = distinct_traces(trace_factory, 3)
+    if where == "meta":
+        rows[1]["meta"] = _nest(98)  # the trace line is 100 deep: readable, but one level deeper in a pair's meta
+    else:
+        rows[1]["tools"] = [{"type": "function", "function": {"name": "f", "parameters": _nest(95)}}]
+    traces = jsonl_writer(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "p.jsonl"
+    summary = replay_jsonl(traces, out, client=make_client())
+    assert summary.malformed == []  # the trace itself is within the limit
+    assert sorted((tid, turn) for _, tid, turn, _ in summary.failed) == [("t1", 1), ("t1", 3)]
+    assert all("nested deeper than 100" in why for *_, why in summary.failed)
+    assert len(teacher_server.requests) == 4  # nothing paid for the points that could not be written
+    assert summary.pairs_written == 4
+    assert [e for e in read_pairs(out) if isinstance(e, RecordError)] == []
+    contained()
+
+
+# --------------------------------------------------------------------------- round two: the default recipe keeps code
+
+STDLIB_MODULES = ["argparse", "ast", "bisect", "calendar", "configparser", "csv", "dataclasses", "difflib", "enum",
+                  "fractions", "functools", "gettext", "glob", "gzip", "heapq", "inspect", "ipaddress", "json.decoder",
+                  "json.encoder", "locale", "logging", "mimetypes", "netrc", "numbers", "operator", "optparse",
+                  "pathlib", "pprint", "queue", "quopri", "random", "sched", "secrets", "selectors", "shlex", "shutil",
+                  "statistics", "string", "tarfile", "tempfile", "textwrap", "threading", "tokenize", "traceback",
+                  "types", "typing", "uuid", "warnings", "weakref", "zipfile"]  # fmt: skip
+MUTATIONS = [("==", "!="), (" < ", " <= "), ("+ 1", "- 1"), ("return ", "return not "), (" and ", " or "),
+             ("True", "False"), ("None", "0")]  # fmt: skip
+
+
+def stdlib_functions(n: int) -> list[tuple[str, str]]:
+    """``n`` distinct functions and methods of Python's own standard library (its source files at test time),
+    as ``(qualified name, dedented source)``, chosen by a seeded draw."""
+    import ast
+    import importlib.util
+    import random
+    import textwrap
+
+    found: dict[str, str] = {}
+    for module in STDLIB_MODULES:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin or not Path(spec.origin).is_file():
+            continue  # frozen or built in
+        source = Path(spec.origin).read_text(encoding="utf-8")
+        source_lines = source.splitlines(keepends=True)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                code = textwrap.dedent("".join(source_lines[node.lineno - 1 : node.end_lineno]))
+                if len(code) <= 4000:
+                    found.setdefault(code, f"{module}.{node.name}")
+    assert len(found) >= n, len(found)
+    picked = random.Random(0).sample(sorted(found.items()), n)
+    return [(name, code) for code, name in picked]
+
+
+def mutated(code: str, seed: int) -> str:
+    """A plausible wrong version of ``code``: one operator or constant flipped, else its last line replaced."""
+    import random
+
+    for old, new in random.Random(seed).sample(MUTATIONS, len(MUTATIONS)):
+        if old in code:
+            return code.replace(old, new, 1)
+    return "\n".join([*code.splitlines()[:-1], "    pass"])
+
+
+JUNK = {
+    "punctuation run": "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!",
+    "emoji flood": "🎉🎉🎉🎉🎉🎉🎉 wow 🎉🎉🎉🎉🎉🎉🎉 so 🎉🎉🎉🎉🎉🎉 cool 🎉🎉🎉🎉🎉",
+    "digit run": "1234 5678 9012 3456 7890 1234 5678 9012",
+    "symbol soup": "$$$ ### @@@ %%% ^^^ &&& *** ((( ))) ~~~ ||| <<< >>>",
+    "binary": "".join(map(chr, range(0x80, 0x100))) * 2,
+    "looping": "I will now run the tests. " * 30,
+    "too short": "ok.",
+}
+
+
+def test_the_default_recipe_keeps_98_percent_of_real_code_and_still_drops_junk(tmp_path, capsys, contained):
+    functions = stdlib_functions(500)
+    rows = [{"prompt": f"Write {name} as in CPython's standard library (#{i}).", "chosen": code,
+             "rejected": mutated(code, i)} for i, (name, code) in enumerate(functions)]  # fmt: skip
+    rows += [{"prompt": f"Junk: {kind}", "chosen": text, "rejected": "def f(x):\n    return x + 1\n"}
+             for kind, text in JUNK.items()]  # fmt: skip
+    src = tmp_path / "stdlib.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "kept.jsonl"
+    assert main(["normalize", str(src), str(out), "--output-format", "trl"]) == 0
+    err = capsys.readouterr().err
+    assert f"normalize: {len(rows)} records" in err  # the progress line counts records
+    kept = {row["prompt"] for row in map(json.loads, lines(out))}
+    kept_code = sum(row["prompt"] in kept for row in rows[: len(functions)])
+    assert kept_code >= 490, f"kept {kept_code} of 500 functions\n{err}"  # >= 98 %
+    assert [kind for kind in JUNK if f"Junk: {kind}" in kept] == []
     contained()

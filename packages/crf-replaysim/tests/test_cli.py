@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from crf_replaysim.cli import main
+from crf_replaysim.pairs import example_pairs_path
 from crf_replaysim.progress import StderrProgress
 from crf_replaysim.traces import example_traces_path, load_traces
 
@@ -149,3 +150,32 @@ def test_import_pulls_in_neither_data_juicer_nor_ray_nor_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_the_guides_commands_run_as_written(teacher_server, api_key, tmp_path, capsys, monkeypatch):
+    """docs/guide.md: `crf-replaysim replay traces.jsonl pairs.raw.jsonl` and `normalize pairs.raw.jsonl pairs.jsonl`."""
+    monkeypatch.chdir(tmp_path)
+    Path("traces.jsonl").write_bytes(example_traces_path().read_bytes())
+    common = ["--model", "org/teacher", "--base-url", teacher_server.base_url, "--api-key-env", KEY_ENV, "--quiet"]
+    assert main(["replay", "traces.jsonl", "pairs.raw.jsonl", *common]) == 0
+    assert main(["normalize", "pairs.raw.jsonl", "pairs.jsonl", "--quiet"]) == 0
+    assert Path("pairs.jsonl").is_file()
+    assert main(["normalize", "pairs.raw.jsonl", "same.jsonl", "-o", "same.jsonl", "--quiet"]) == 0  # agreeing
+    capsys.readouterr()
+    for args in (["normalize", "pairs.raw.jsonl", "a.jsonl", "-o", "b.jsonl"], ["normalize", "pairs.raw.jsonl"]):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "two outputs given" in err
+    assert "an output is required" in err
+
+
+def test_validate_exits_3_on_malformed_lines_and_says_so_in_its_help(tmp_path, capsys):
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text(Path(example_pairs_path()).read_text(encoding="utf-8") + "{broken\n", encoding="utf-8")
+    assert main(["validate", str(pairs), "--quiet"]) == 3
+    assert "line 5: invalid JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    assert "3 when any line is malformed" in " ".join(capsys.readouterr().out.split())

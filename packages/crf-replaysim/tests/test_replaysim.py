@@ -174,6 +174,11 @@ def _stat(name: str, text: str, **args: Any) -> float:
         ("special_characters_filter", "", {}, 0.0),
         ("special_characters_filter", "a😀b…", {}, 0.5),  # emoji and the ellipsis are special
         ("special_characters_filter", "ab\u00e9\u4e2d", {}, 0.0),
+        # crf-replaysim's extension: whitespace (indentation, line breaks, U+3000) is not counted at all
+        ("special_characters_filter", "if x:\n        return 1\n", {"count_whitespace": False}, 2 / 11),
+        ("special_characters_filter", "if x:\n        return 1\n", {}, 14 / 23),  # data-juicer: 0.61, dropped
+        ("special_characters_filter", "a\u3000\t!", {"count_whitespace": False}, 0.5),
+        ("special_characters_filter", " \n\t", {"count_whitespace": False}, 0.0),
         ("alphanumeric_filter", "ab1_ !", {}, 0.5),  # underscore is not alphanumeric
         ("alphanumeric_filter", "日本x", {}, 1.0),
         ("words_num_filter", "a ,, b\tc\n!!!\r", {}, 3),  # ",," and "!!!\r" strip to nothing
@@ -190,6 +195,27 @@ def _stat(name: str, text: str, **args: Any) -> float:
 )
 def test_native_filter_statistics_by_hand(name: str, text: str, args: dict[str, Any], expected: float) -> None:
     assert _stat(name, text, **args) == pytest.approx(expected, abs=0, rel=1e-12)
+
+
+def test_special_characters_without_whitespace_equals_its_definition() -> None:
+    """The fast ASCII path and the general path both equal the definition: specials among non-space characters."""
+    import random
+
+    from crf_replaysim.ops._text import SPECIAL_CHARACTERS
+
+    op = OPS["special_characters_filter"](text_key="x", count_whitespace=False)
+    rng = random.Random(1)
+    alphabet = [chr(c) for c in range(128)] + ["\u3000", "\u00e9", "\U0001f389", "\u00a0", "\u2028", "\x85"]
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        shown = [c for c in text if not c.isspace()]
+        expected = sum(c in SPECIAL_CHARACTERS for c in shown) / len(shown) if shown else 0.0
+        assert op.stat(text) == expected, repr(text)
+
+
+def test_extension_arguments_are_checked() -> None:
+    with pytest.raises(RecipeError, match="count_whitespace must be true or false"):
+        OPS["special_characters_filter"](text_key="chosen", count_whitespace="no")
 
 
 def test_native_filter_interval_closure_and_reversed_range() -> None:
@@ -399,7 +425,7 @@ def test_default_recipe_on_synthetic_corpus_keeps_good_and_drops_junk() -> None:
     assert stats.kept == len(kept)
     assert 0 < len(kept) < 2000
     assert sum(stats.dropped_per_op.values()) == 2000 - len(kept)
-    special = OPS["special_characters_filter"](text_key="chosen")
+    special = OPS["special_characters_filter"](text_key="chosen", count_whitespace=False)  # the recipe's statistic
     assert all(special.stat(r[side]) <= 0.5 for r in kept for side in ("chosen", "rejected"))
     assert all(len(r["chosen"]) >= 10 and len(r["rejected"]) >= 10 for r in kept)
     assert stats.dropped_per_op["document_deduplicator(pair)"] > 0

@@ -13,6 +13,7 @@ import pytest
 
 from crf_replaysim.teacher import (
     OPENROUTER_BASE_URL,
+    TeacherActionError,
     TeacherClient,
     TeacherConfigError,
     TeacherHTTPError,
@@ -204,7 +205,6 @@ def test_malformed_json_every_time_is_reported(teacher_server, make_client):
     ("body", "match"),
     [
         ({"object": "list", "data": []}, "no 'choices' list"),
-        ({"choices": [{"message": {"role": "assistant", "content": ""}}]}, "unusable action"),
         ({"error": {"message": "provider hiccup"}}, "endpoint reported an error: provider hiccup"),
     ],
 )
@@ -212,6 +212,18 @@ def test_unusable_200_replies_are_reported(teacher_server, make_client, body, ma
     teacher_server.script.extend([{"json": body}] * 2)
     with pytest.raises(TeacherRetriesExhausted, match=match):
         complete(make_client(max_retries=1))
+
+
+def test_an_unusable_action_is_paid_once_and_not_retried(teacher_server, make_client):
+    """A completion was billed even when its message is unusable: asking again would pay for the same answer."""
+    body = {"choices": [{"message": {"role": "assistant", "content": ""}}], "usage": {"prompt_tokens": 7}}
+    teacher_server.script.extend([{"json": body}] * 2)
+    client = make_client(max_retries=3)
+    with pytest.raises(TeacherActionError, match="unusable action") as info:
+        complete(client)
+    assert len(teacher_server.requests) == 1
+    assert info.value.usage == {"prompt_tokens": 7}
+    assert client.stats["prompt_tokens"] == 7
 
 
 def test_error_object_with_4xx_code_fails_at_once(teacher_server, make_client):

@@ -14,6 +14,10 @@ the stats and hash columns are dropped between passes.
 
 data-juicer also installs missing optional packages at run time (``LazyLoader``); here that raises instead,
 naming the package to pre-install.
+
+A step that uses a crf-replaysim extension of an op (an argument data-juicer's op lacks, see
+:func:`crf_replaysim.ops._base.uses_extensions`) is run by the native op, as a pass of its own between
+data-juicer's passes: data-juicer would otherwise ignore the argument and compute something else.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from crf_replaysim._normalize_shared import NormalizeSummary, map_message_text, message_texts, pair_text
-from crf_replaysim.ops import RecipeError
-from crf_replaysim.ops._recipe import FLAT_TEXT_FIELDS, PAIR_FIELD, Recipe, RecipeStep
+from crf_replaysim.ops import NATIVE_OPS, NativeFilter, RecipeError
+from crf_replaysim.ops._base import uses_extensions
+from crf_replaysim.ops._recipe import FLAT_TEXT_FIELDS, PAIR_FIELD, Recipe, RecipeStep, build_native_op
 
 _ROW = "__crf_row__"
+NATIVE_KIND = "native-filter"
+"""The kind of a step the data-juicer backend runs with the native op (it uses a crf-replaysim extension)."""
 _DJ_COLUMNS = ("__dj__stats__", "__dj__hash")
 _EXECUTOR_DEFAULTS = {"np": 1, "use_cache": False, "open_monitor": False, "skip_op_error": False}
 _IMPORT_FIX = (
@@ -64,7 +71,7 @@ def _filters_grouped(steps: Sequence[RecipeStep], kinds: Sequence[str]) -> list[
         run.clear()
 
     for index, kind in enumerate(kinds):
-        if kind == "filter":
+        if kind == "filter":  # a native filter ends the run: it is a pass of its own, in recipe order
             run.append(index)
         else:
             flush()
@@ -87,6 +94,10 @@ def plan_passes(steps: Sequence[RecipeStep], kinds: Sequence[str]) -> list[list[
     mapped: set[str] = set()  # fields rewritten in this pass
     for index in _filters_grouped(steps, kinds):
         step, kind = steps[index], kinds[index]
+        if kind == NATIVE_KIND:  # runs outside data-juicer, on the rows as they are: no cache to go stale
+            passes += [[index], []]
+            cached, stale, mapped = {}, {}, set()
+            continue
         if kind == "mapper":
             for fields in stale.values():
                 fields.add(step.text_key)
@@ -140,6 +151,14 @@ def _op_kinds(steps: Sequence[RecipeStep], source: str) -> tuple[list[str], list
     kinds: list[str] = []
     instances: list[Any] = []
     for step in steps:
+        native = NATIVE_OPS.get(step.name)
+        if native is not None and uses_extensions(native, step.args):
+            op = build_native_op(step, NATIVE_OPS, source)
+            if not isinstance(op, NativeFilter):
+                raise RecipeError(f"{source}: op {step.name!r}: only filters may use crf-replaysim extensions.")
+            kinds.append(NATIVE_KIND)
+            instances.append(op)
+            continue
         if OPERATORS.modules.get(step.name) is None:
             raise RecipeError(f"{source}: unknown op {step.name!r}: data-juicer 1.6.1 has no op of that name.")
         (op,) = load_ops([{step.name: {**step.args, "text_key": step.text_key, "skip_op_error": False}}])
@@ -211,6 +230,11 @@ def _execute(recipe: Recipe, records: Iterable[Mapping[str, Any]], stats: Normal
                 if uses_pair:
                     for row in rows:
                         row[PAIR_FIELD] = pair_text(row)
+                if kinds[indices[0]] == NATIVE_KIND:
+                    before, native = len(rows), instances[indices[0]]
+                    rows = [row for row in rows if native.keep(row[native.text_key])]
+                    stats.dropped_per_op[f"native pass {number}: {steps[0].label}"] = before - len(rows)
+                    continue
                 dataset_path = Path(work) / f"pass{number}.jsonl"
                 with dataset_path.open("w", encoding="utf-8") as handle:
                     handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)

@@ -9,6 +9,7 @@ decoders inflate each network chunk completely (a 64 KiB chunk of zeros becomes 
 from __future__ import annotations
 
 import ipaddress
+import socket
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -59,14 +60,21 @@ def split_credentials(url: str) -> SplitURL:
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and addresses in 127.0.0.0/8 or ``::1`` (traffic that never leaves the machine)."""
-    host = host.strip("[]").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
+    """True for a literal loopback address (127.0.0.0/8, ``::1``) and for ``localhost`` when every address it
+    resolves to is one (traffic that never leaves the machine). Other names, ``*.localhost`` included, are not
+    trusted: what they resolve to is up to the resolver."""
+    host = host.strip("[]").lower().rstrip(".")
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        pass
+    if host != "localhost":
         return False
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addresses)
 
 
 def _decoder(encoding: str) -> Any:

@@ -13,7 +13,8 @@ refused instead of interleaving with the first. A finished run renames the parti
 (in input order) and deletes the journal. An interrupted or failed run leaves both (unless it handled
 nothing); the next run with the same traces and settings skips every point whose outcome was ``pair``
 or ``identical``, asks again only for failed and pending points (answered from the response cache when
-they had arrived), and writes the complete file. A half-written last line (a kill mid-write) is dropped.
+they had arrived), and writes the complete file. A half-written last line (a kill mid-write) is cut off both
+files before the run appends anything, so a second interruption leaves them as readable as the first.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory locks, concurrent replays are not detected
     fcntl = None  # type: ignore[assignment]
 
-from crf_replaysim.jsonl import unique_temp_path
+from crf_replaysim.jsonl import loads_bounded, unique_temp_path
 
 __all__ = ["ReplayBusyError", "ReplayState", "ReplayStateError", "state_paths"]
 
@@ -95,8 +96,11 @@ class ReplayState:
                     ) from None
             journal.seek(0)
             saved = journal.read()
-            if resume and saved:
+            if resume and b"\n" in saved:  # no complete line: not even the header survived, nothing to resume
                 self._load(saved)
+                torn = len(saved) - (saved.rfind(b"\n") + 1)
+                if torn:  # a kill mid-write: cut the fragment, or the next entry would be glued to it
+                    journal.truncate(len(saved) - torn)
             else:
                 journal.truncate(0)
                 journal.write((json.dumps(self.header, sort_keys=True) + "\n").encode())
@@ -111,8 +115,8 @@ class ReplayState:
     def _load(self, saved: bytes) -> None:
         complete = saved.split(b"\n")[:-1]  # a last line without "\n" was cut by a kill: ignored
         try:
-            header = json.loads(complete[0]) if complete else None
-        except ValueError:
+            header = loads_bounded(complete[0].decode("utf-8")) if complete else None
+        except ValueError:  # UnicodeDecodeError included
             header = None
         if not isinstance(header, dict) or header.get("journal") != _JOURNAL_KIND:
             raise ReplayStateError(
@@ -128,7 +132,7 @@ class ReplayState:
             )
         for number, raw in enumerate(complete[1:], start=2):
             try:
-                entry = json.loads(raw)
+                entry = loads_bounded(raw.decode("utf-8"))
                 key = (int(entry["line"]), int(entry["turn"]))
                 outcome = entry["outcome"]
                 if outcome not in OUTCOMES:

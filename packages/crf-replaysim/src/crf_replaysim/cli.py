@@ -1,17 +1,18 @@
 """``crf-replaysim`` command line: ``replay``, ``normalize`` and ``validate``.
 
 Each command streams its input, shows a progress line on stderr (``--quiet`` turns it off) and
-ends with a summary on stderr listing every malformed line with its number. Exit status: 0 on
-success, 1 on an error that stopped the run, 2 on bad arguments, 3 with ``--strict`` when some
-lines were malformed or some decision points failed, 130 when interrupted (Ctrl-C: the previous
-output is untouched; an interrupted replay resumes when run again). No message printed contains
-the API key.
+ends with a summary on stderr listing every malformed line with its number. ``replay`` and
+``normalize`` take their output as a second positional argument or as ``-o``. Exit status: 0 on
+success, 1 on an error that stopped the run, 2 on bad arguments, 3 when ``validate`` found
+malformed lines (always) or, with ``--strict``, when ``replay``/``normalize`` skipped malformed lines
+or failed decision points, 130 when interrupted (Ctrl-C: the previous output is untouched; an
+interrupted replay resumes when run again). No message printed contains the API key.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from typing import Any
 
 from crf_replaysim._version import __version__
 from crf_replaysim.formats import INPUT_FORMATS, OUTPUT_FORMATS
-from crf_replaysim.jsonl import DEFAULT_MAX_LINE_BYTES
+from crf_replaysim.jsonl import DEFAULT_MAX_LINE_BYTES, loads_bounded
 from crf_replaysim.progress import StderrProgress
 from crf_replaysim.teacher import (
     DEFAULT_API_KEY_ENV,
@@ -34,9 +35,9 @@ __all__ = ["build_parser", "main"]
 EXIT_OK, EXIT_ERROR, EXIT_STRICT, EXIT_INTERRUPTED = 0, 1, 3, 130
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, strict_help: str) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line (the closing summary is still printed)")
-    p.add_argument("--strict", action="store_true", help="exit with status 3 if any line was malformed or failed")
+    p.add_argument("--strict", action="store_true", help=strict_help)
     p.add_argument(
         "--max-line-bytes",
         type=int,
@@ -45,9 +46,35 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_output(p: argparse.ArgumentParser, what: str) -> None:
+    """The output as a second positional argument or as ``-o``/``--output`` (checked by :func:`_resolve_output`)."""
+    p.add_argument("output_arg", nargs="?", type=Path, metavar="OUTPUT", help=f"where to write {what} (or -o)")
+    p.add_argument("-o", "--output", type=Path, default=None, help=f"where to write {what} (JSONL)")
+
+
+def _resolve_output(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    positional = getattr(args, "output_arg", None)
+    if positional is not None and args.output is not None and positional != args.output:
+        parser.error(f"two outputs given ({str(positional)!r} and -o {str(args.output)!r}); give one")
+    if "output_arg" in args:
+        args.output = args.output or positional
+        if args.output is None:
+            parser.error(f"{args.command}: an output is required: give it after the input or as -o OUTPUT")
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = loads_bounded(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
     if not isinstance(value, dict):
@@ -65,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("replay", help="query a teacher at each assistant decision point of each trace")
     rp.add_argument("traces", type=Path, help="trace JSONL (one agent conversation per line)")
-    rp.add_argument("-o", "--output", type=Path, required=True, help="where to write the DPO pairs (JSONL)")
+    _add_output(rp, "the DPO pairs")
     rp.add_argument("--model", required=True, help="teacher model id, e.g. anthropic/claude-sonnet-4")
     rp.add_argument(
         "--base-url", default=OPENROUTER_BASE_URL, help=f"OpenAI-compatible endpoint (default {OPENROUTER_BASE_URL})"
@@ -79,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument("--no-api-key", action="store_true", help="send no key (local endpoints)")
     rp.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
     rp.add_argument(
-        "--timeout", type=float, default=120.0, help="deadline in seconds for each whole request (default 120)"
+        "--timeout", type=_finite, default=120.0, help="deadline in seconds for each whole request (default 120)"
     )
     rp.add_argument(
         "--max-response-bytes",
@@ -88,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"largest reply body accepted, after decompression (default {DEFAULT_MAX_RESPONSE_BYTES})",
     )
     rp.add_argument("--max-retries", type=int, default=5, help="retries on 429/5xx/timeouts (default 5)")
-    rp.add_argument("--backoff-base", type=float, default=1.0, help="first backoff in seconds (default 1)")
-    rp.add_argument("--backoff-max", type=float, default=60.0, help="longest backoff in seconds (default 60)")
+    rp.add_argument("--backoff-base", type=_finite, default=1.0, help="first backoff in seconds (default 1)")
+    rp.add_argument("--backoff-max", type=_finite, default=60.0, help="longest backoff in seconds (default 60)")
     rp.add_argument("--cache-dir", type=Path, default=None, help="on-disk response cache (default: no cache)")
-    rp.add_argument("--temperature", type=float, default=0.0, help="teacher sampling temperature (default 0)")
+    rp.add_argument("--temperature", type=_finite, default=0.0, help="teacher sampling temperature (default 0)")
     rp.add_argument("--max-tokens", type=int, default=None, help="teacher max_tokens (default: endpoint default)")
     rp.add_argument(
         "--extra-body",
@@ -114,11 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="discard the saved state of an interrupted replay into the same output instead of resuming it",
     )
-    _add_common(rp)
+    _add_common(rp, "exit with status 3 if any trace line was malformed or any decision point failed")
 
     np_ = sub.add_parser("normalize", help="apply a data-juicer-format recipe to DPO pairs")
     np_.add_argument("pairs", type=Path, help="pairs JSONL: replay output, or TRL standard/conversational rows")
-    np_.add_argument("-o", "--output", type=Path, required=True, help="where to write the kept pairs (JSONL)")
+    _add_output(np_, "the kept pairs")
     np_.add_argument(
         "--recipe", type=Path, default=None, help="recipe YAML (default: the shipped recipes/default.yaml)"
     )
@@ -136,12 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="records (default); trl: TRL rows in the input's flavour (records become conversational); "
         "trl-standard or trl-conversational to choose",
     )
-    _add_common(np_)
+    _add_common(np_, "exit with status 3 if any line was malformed")
 
-    vp = sub.add_parser("validate", help="check a pairs JSONL (records or TRL rows) against the schema")
+    vp = sub.add_parser(
+        "validate",
+        help="check a pairs JSONL (records or TRL rows) against the schema",
+        description="Check every line of a pairs JSONL against the schema. Exit status 0 when every line is "
+        "valid, 3 when any line is malformed (each one listed with its number), 1 on an error.",
+    )
     vp.add_argument("pairs", type=Path, help="pairs JSONL")
     _add_format_args(vp)
-    _add_common(vp)
+    _add_common(vp, "accepted for symmetry: validate always exits with status 3 on malformed lines")
     return parser
 
 
@@ -243,7 +275,7 @@ def _validate(args: argparse.Namespace) -> int:
     lines += [f"malformed lines: {len(malformed)}"]
     lines += [f"  line {ln}: {why}" for ln, why in malformed]
     print("\n".join(lines), file=sys.stderr)
-    return EXIT_STRICT if args.strict and malformed else EXIT_OK
+    return EXIT_STRICT if malformed else EXIT_OK
 
 
 def _redactor(args: argparse.Namespace) -> Callable[[str], str]:
@@ -255,7 +287,9 @@ def _redactor(args: argparse.Namespace) -> Callable[[str], str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``crf-replaysim`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _resolve_output(parser, args)
     handlers = {"replay": _replay, "normalize": _normalize, "validate": _validate}
     redact = _redactor(args)
     try:

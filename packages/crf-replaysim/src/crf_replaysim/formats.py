@@ -34,6 +34,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from crf_replaysim.jsonl import loads_bounded
 from crf_replaysim.messages import MessageError, content_text, flatten_action, flatten_prompt, validate_messages
 from crf_replaysim.records import (
     DJ_RECORD_KEYS,
@@ -163,9 +164,11 @@ def trl_row_to_dj_record(row: Mapping[str, Any], fmt: PairFormat, *, source_id: 
     tools = row.get("tools")
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools)
-        except ValueError:
-            raise RecordError("tools is a string but not JSON. Fix: give tools as a list or a JSON array") from None
+            tools = loads_bounded(tools)
+        except ValueError as err:
+            raise RecordError(
+                f"tools is a string but not JSON, or not usable ({err}). Fix: give tools as a list or a JSON array"
+            ) from None
     if tools is not None:
         meta["tools"] = tools
     if implicit:

@@ -37,6 +37,7 @@ __all__ = [
     "check_output",
     "iter_json_lines",
     "json_problem",
+    "loads_bounded",
     "unique_temp_path",
 ]
 
@@ -94,8 +95,12 @@ def json_problem(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> str | Non
     return None
 
 
-def _parse_line(text: str, max_depth: int) -> Any:
-    """Decode one line; raise ``ValueError`` with the reason."""
+def loads_bounded(text: str, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+    """Decode untrusted JSON ``text``; raise ``ValueError`` with the reason (never ``RecursionError``).
+
+    Refused: invalid JSON, ``NaN``/``Infinity``, nesting deeper than ``max_depth`` and lone surrogates.
+    The one parser for every JSON value that arrives from outside (lines, tool-call arguments, tool specs).
+    """
     try:
         value = _DECODER.decode(text)
     except json.JSONDecodeError as err:
@@ -104,8 +109,8 @@ def _parse_line(text: str, max_depth: int) -> Any:
         raise ValueError(f"nested too deeply to parse (limit {max_depth} levels). Fix: flatten the data") from None
     except ValueError as err:  # NaN / Infinity from _reject_constant
         raise ValueError(f"invalid JSON ({err}). Fix: store finite numbers or strings") from None
-    # Only a line with enough brackets can be too deep, only a \\u escape can make a surrogate: skip the walk
-    # for the usual line.
+    # Only a text with enough brackets can be too deep, only a \\u escape can make a surrogate: skip the walk
+    # for the usual text.
     if text.count("[") + text.count("{") > max_depth or "\\ud" in text or "\\uD" in text:
         problem = json_problem(value, max_depth=max_depth)
         if problem:
@@ -156,7 +161,7 @@ def iter_json_lines(
                     yield MalformedLine(number, "blank line")
                 continue
             try:
-                yield number, _parse_line(text, max_depth)
+                yield number, loads_bounded(text, max_depth=max_depth)
             except ValueError as err:
                 yield MalformedLine(number, str(err))
 

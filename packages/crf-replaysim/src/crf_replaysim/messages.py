@@ -19,6 +19,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from crf_replaysim.jsonl import loads_bounded
+
 __all__ = [
     "ROLES",
     "MessageError",
@@ -27,11 +29,20 @@ __all__ = [
     "flatten_action",
     "flatten_prompt",
     "validate_messages",
+    "validate_tool_arguments",
 ]
 
 ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
 
 Message = Mapping[str, Any]
+_JSON_TYPES = {
+    type(None): "null",
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+}
 
 
 class MessageError(ValueError):
@@ -122,6 +133,25 @@ def validate_messages(messages: Any, where: str = "messages", *, min_items: int 
             raise _fail(at, "tool message without a string 'tool_call_id'", "cite the id of the tool call it answers")
 
 
+def validate_tool_arguments(messages: Sequence[Message], where: str = "messages") -> None:
+    """Raise ``MessageError`` unless every tool call's ``arguments`` decodes to a JSON object.
+
+    What a preferred (chosen) action must satisfy: a call whose arguments are cut short (``'{"command": "ls"'``),
+    ``null``, an array, empty, or nested past the depth limit is not an action to train towards. Parsing is
+    bounded (:func:`crf_replaysim.jsonl.loads_bounded`), so hostile arguments fail here and nowhere else.
+    """
+    for i, msg in enumerate(messages):
+        for j, call in enumerate(msg.get("tool_calls") or []):
+            at = f"{where}[{i}].tool_calls[{j}].function.arguments"
+            try:
+                value = loads_bounded(call["function"]["arguments"])
+            except ValueError as err:
+                raise _fail(at, f"not usable JSON: {err}", "a chosen tool call carries a JSON object") from None
+            if not isinstance(value, dict):
+                kind = _JSON_TYPES.get(type(value), type(value).__name__)
+                raise _fail(at, f"decodes to JSON {kind}, not an object", 'pass e.g. \'{"command": "ls"}\'')
+
+
 def content_text(content: Any) -> str:
     """Text of a message ``content``: the string itself, the joined ``text`` parts, or ``""`` for null."""
     if content is None:
@@ -159,8 +189,8 @@ def flatten_prompt(messages: Sequence[Message]) -> str:
 
 def _canonical_arguments(arguments: str) -> Any:
     try:
-        return json.loads(arguments)
-    except ValueError:
+        return loads_bounded(arguments)
+    except ValueError:  # not JSON, or too deep: compared as text
         return arguments.strip()
 
 

@@ -183,9 +183,9 @@ def _read_rows(
     max_line_bytes: int,
 ) -> Iterator[dict[str, Any]]:
     """Yield the dj records of ``path``'s good lines; record every other line in ``summary.malformed``."""
-    for item in iter_json_lines(path, max_line_bytes=max_line_bytes, blank_lines="report"):
+    for count, item in enumerate(iter_json_lines(path, max_line_bytes=max_line_bytes, blank_lines="report"), 1):
         if progress is not None:
-            progress(1)
+            progress(count)
         if isinstance(item, MalformedLine):
             summary.malformed.append((item.line, item.reason))
             continue
@@ -212,13 +212,14 @@ def normalize_jsonl(
 ) -> NormalizeSummary:
     """Normalise the pair JSONL file ``input_path`` into ``output_path``; nothing is lost on bad input.
 
-    Streams with the native backend and ``skip_dj``. Lines that are not valid rows of the input format
-    (bad JSON or UTF-8, lone surrogates, too deep, longer than ``max_line_bytes``, wrong schema, blank)
-    are not written; they are counted in ``read`` and listed in ``malformed`` with their line numbers, and
-    the other lines are processed. The output goes to a temporary file renamed over ``output_path`` only
-    at the end (an error or Ctrl-C leaves the previous file as it was); ``output_path`` naming the input
-    file (by any path, symlink or hard link) raises :class:`~crf_replaysim.jsonl.UnsafeOutputError`
-    before anything is opened. ``progress(1)`` is called once per line read.
+        Streams with the native backend and ``skip_dj``. Lines that are not valid rows of the input format
+        (bad JSON or UTF-8, lone surrogates, too deep, longer than ``max_line_bytes``, wrong schema, blank)
+        are not written; they are counted in ``read`` and listed in ``malformed`` with their line numbers, and
+        the other lines are processed. The output goes to a temporary file renamed over ``output_path`` only
+        at the end (an error or Ctrl-C leaves the previous file as it was); ``output_path`` naming the input
+        file (by any path, symlink or hard link) raises :class:`~crf_replaysim.jsonl.UnsafeOutputError`
+        before anything is opened. ``progress(n)`` is called after each line read, with the number of lines read so
+    far (the shape :class:`~crf_replaysim.progress.StderrProgress` takes).
     """
     normalizer = DJNormalizer(
         recipe, skip_dj=skip_dj, backend=backend, input_format=input_format, output_format=output_format

@@ -39,7 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from crf_replaysim.jsonl import DEFAULT_MAX_DEPTH, LONE_SURROGATE
-from crf_replaysim.messages import MessageError, flatten_action, flatten_prompt, validate_messages
+from crf_replaysim.messages import (
+    MessageError,
+    flatten_action,
+    flatten_prompt,
+    validate_messages,
+    validate_tool_arguments,
+)
 
 __all__ = [
     "DJ_RECORD_KEYS",
@@ -91,9 +97,16 @@ class RecordError(ValueError):
         self.line = line
 
 
-def _check_json(value: Any, where: str) -> None:
-    """Reject values that ``json.dumps`` would write but no reader gets back unchanged (iterative: any depth)."""
-    stack: list[tuple[Any, str, int]] = [(value, where, 1)]
+_FIELD_DEPTH = 2
+"""Nesting level of a record's fields in its JSONL line (the line's object is level 1)."""
+
+
+def _check_json(value: Any, where: str, depth: int = _FIELD_DEPTH) -> None:
+    """Reject values that ``json.dumps`` would write but no reader gets back unchanged (iterative: any depth).
+
+    ``depth``: the level ``value`` sits at in its line, so a pair that passes here is one ``read_pairs`` reads back.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, where, depth)]
     while stack:
         item, at, depth = stack.pop()
         if isinstance(item, str):
@@ -169,6 +182,8 @@ def _check_fields(field_of: Callable[[str], Any], *, flat: bool, decoded: bool =
         messages = field_of(name)
         try:
             validate_messages(messages, name, min_items=1)
+            if name == "chosen_messages":
+                validate_tool_arguments(messages, name)
         except MessageError as err:
             raise RecordError(str(err)) from None
         if not decoded:

@@ -14,7 +14,10 @@ with the number of decision points handled so far.
 
 Nothing is lost: ``output_path`` naming the traces file (any path, symlink or hard link) is refused
 before anything is opened; a bad trace line (bad JSON or UTF-8, lone surrogate, too deep, too long,
-wrong schema) is listed by number and skipped; a reply that cannot form a pair fails only its point.
+wrong schema) is listed by number and skipped; a reply that cannot form a pair fails only its point, and
+a point whose pair could never be written (trace ``meta`` or ``tools`` nested too deep to fit in a pair's
+``meta``, a recorded action that cannot be chosen, a pair longer than the readers' line limit) fails
+before its request is sent.
 Pairs go to a hidden partial file renamed over ``output_path`` at the end, so an error or Ctrl-C
 leaves the previous output as it was, and the run's state (see :mod:`crf_replaysim._replay_state`)
 lets the same command resume: points already answered are not asked again, and with a ``cache_dir``
@@ -45,9 +48,11 @@ __all__ = [
     "ReplayStateError",
     "ReplaySummary",
     "build_pair",
+    "pair_line",
     "replay_jsonl",
     "replay_jsonl_async",
     "replay_state_paths",
+    "unwritable_point",
 ]
 
 FATAL_STATUSES = frozenset({301, 302, 303, 307, 308, 401, 403, 404})
@@ -64,7 +69,8 @@ class ReplaySummary:
 
     ``decision_points``, ``pairs_written`` (lines of the output) and ``identical`` cover the whole output,
     ``resumed`` of those points an interrupted earlier run had finished; the teacher counters and the
-    token totals (``usage`` of fresh, non-cached replies) cover this run only.
+    token totals (``usage`` of every completion received over the network this run, those that failed
+    their point included: what was paid) cover this run only.
     """
 
     traces_read: int = 0
@@ -91,7 +97,7 @@ class ReplaySummary:
             f"resumed:          {self.resumed} (finished by an interrupted run, not asked again)",
             f"teacher requests: {self.teacher_requests} (cache hits {self.cache_hits}, "
             f"shared in flight {self.deduplicated}, retries {self.retries})",
-            f"teacher tokens:   prompt {self.prompt_tokens}, completion {self.completion_tokens} (fresh replies)",
+            f"teacher tokens:   prompt {self.prompt_tokens}, completion {self.completion_tokens} (paid this run)",
             f"failed points:    {len(self.failed)}",
         ]
         lines += [f"  line {ln} trace {tid!r} turn {turn}: {why}" for ln, tid, turn, why in self.failed]
@@ -131,15 +137,42 @@ def build_pair(
         **({"tools": trace.tools} if trace.tools else {}),
         **(extra_meta or {}),
     }
-    pair = DPOPair(
+    teacher, recorded = [dict(reply.message)], [dict(trace.messages[turn])]
+    return DPOPair(
         prompt_messages=[dict(m) for m in trace.messages[:turn]],
-        chosen_messages=[dict(reply.message)],
-        rejected_messages=[dict(trace.messages[turn])],
+        chosen_messages=teacher if chosen == "teacher" else recorded,
+        rejected_messages=recorded if chosen == "teacher" else teacher,
         trace_id=trace.trace_id,
         turn=turn,
         meta=meta,
     )
-    return pair if chosen == "teacher" else pair.swapped()
+
+
+_STAND_IN = TeacherReply({"role": "assistant", "content": "stand-in"}, None, None, None, cached=False)
+
+
+def pair_line(pair: DPOPair) -> bytes:
+    """The output line of ``pair`` (its dj record as JSON, newline-terminated)."""
+    return (json.dumps(pair.to_dj_record(), ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def unwritable_point(trace: Trace, turn: int, *, teacher_model: str, chosen: ChosenSource) -> str | None:
+    """Why no pair of ``trace`` at ``turn`` could be written whatever the teacher answers, else ``None``.
+
+    Builds the pair with a short stand-in for the teacher's action, so everything the trace contributes (its
+    context, meta and tools inside the pair's meta, the recorded action as the chosen side) is checked, and
+    its line length against the readers' limit, before a request is paid for.
+    """
+    try:
+        line = pair_line(build_pair(trace, turn, _STAND_IN, teacher_model=teacher_model, chosen=chosen))
+    except (RecordError, UnicodeEncodeError) as err:
+        return f"no pair can be written for this point (checked before asking the teacher): {err}"
+    if len(line) > DEFAULT_MAX_LINE_BYTES:
+        return (
+            f"its pair would be a {len(line)}-byte line, longer than readers accept ({DEFAULT_MAX_LINE_BYTES}); "
+            "not asked. Fix: shorten the trace (its context is repeated in every pair)"
+        )
+    return None
 
 
 def _check_options(chosen: str, max_pending: int | None) -> None:
@@ -213,7 +246,7 @@ async def replay_jsonl_async(
             if keep_identical or not same:
                 extra = {"identical": same} if keep_identical else None
                 pair = build_pair(trace, turn, reply, teacher_model=client.model, chosen=chosen, extra_meta=extra)
-                line = (json.dumps(pair.to_dj_record(), ensure_ascii=False) + "\n").encode("utf-8")
+                line = pair_line(pair)
         except TeacherHTTPError as err:
             if err.status in FATAL_STATUSES:
                 raise
@@ -222,9 +255,6 @@ async def replay_jsonl_async(
             failure = str(err) if isinstance(err, TeacherError) else f"the reply cannot form a pair: {err}"
         else:
             failure = None
-            if not reply.cached and reply.usage:
-                summary.prompt_tokens += _count(reply.usage.get("prompt_tokens"))
-                summary.completion_tokens += _count(reply.usage.get("completion_tokens"))
             state.record(trace.line, turn, trace.trace_id, "pair" if line else "identical", line)
         if failure is not None:
             summary.failed.append((trace.line, trace.trace_id, turn, failure))
@@ -244,6 +274,12 @@ async def replay_jsonl_async(
                     summary.resumed += 1
                     tick()
                     continue
+                problem = unwritable_point(item, turn, teacher_model=client.model, chosen=chosen)
+                if problem is not None:
+                    summary.failed.append((item.line, item.trace_id, turn, problem))
+                    state.record(item.line, turn, item.trace_id, "failed")
+                    tick()
+                    continue
                 while len(pending) >= window:
                     await write_head()
                 task = asyncio.ensure_future(client.complete(item.messages[:turn], item.tools))
@@ -260,17 +296,16 @@ async def replay_jsonl_async(
         await asyncio.gather(*(t for _, _, t in pending), return_exceptions=True)
         if not finished:
             state.close(keep=bool(state.done))
+    summary.failed.sort(key=lambda row: (row[0], row[2]))  # points refused before asking were listed early
     summary.pairs_written = len(state.pair_keys)
     summary.identical = sum(1 for outcome in state.done.values() if outcome == "identical")
     summary.teacher_requests = client.stats["requests"] - before["requests"]
     summary.cache_hits = client.stats["cache_hits"] - before["cache_hits"]
     summary.retries = client.stats["retries"] - before["retries"]
     summary.deduplicated = client.stats["deduplicated"] - before["deduplicated"]
+    summary.prompt_tokens = client.stats["prompt_tokens"] - before["prompt_tokens"]
+    summary.completion_tokens = client.stats["completion_tokens"] - before["completion_tokens"]
     return summary
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def replay_jsonl(

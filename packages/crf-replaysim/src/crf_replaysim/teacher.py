@@ -7,13 +7,16 @@ Reliability: at most ``max_concurrency`` requests in flight; ``timeout_s`` is a 
 whole HTTP request (connect, send, wait, read: a server dripping bytes cannot stretch it); each
 response body is read streamed and decoded under a cap of ``max_response_bytes`` (gzip included,
 so a compression bomb is stopped at the cap); up to ``max_retries`` retries on timeouts, connection
-errors, malformed replies, HTTP 408/429 and 5xx. Redirects are not followed (the key would travel
+errors, HTTP 408/429 and 5xx, and 200 replies that are not a chat completion (no ``choices``: a proxy's
+page, not a billed answer). A completion whose action is unusable (a malformed assistant message) was
+paid for: it is not retried (the same request gets the same answer), its ``usage`` is counted, it is
+cached, and it fails with :class:`TeacherActionError`. Redirects are not followed (the key would travel
 with them): a 3xx fails with the address to configure instead.
 The wait before retry ``k`` (0-based) is ``Retry-After`` when the server sends one (seconds or an
 HTTP date, refused above ``max_retry_after_s``), else equal-jitter exponential backoff
 ``d/2 + U(0, d/2)`` with ``d = min(backoff_max_s, backoff_base_s * 2**k)``. Other 4xx fail at once.
 
-Cache: with ``cache_dir``, each successful reply is stored under the SHA-256 of the canonical
+Cache: with ``cache_dir``, each completion (usable or not) is stored under the SHA-256 of the canonical
 request (URL + body, never the key); an identical request is answered from disk. Cache writes are
 best effort: a failing one logs a single warning and the paid-for reply is still returned. Temporary
 names are unique per process and write, so concurrent replays can share a cache. Identical
@@ -21,11 +24,17 @@ requests made while one is in flight wait for it instead of sending their own (r
 same task share their first contexts).
 
 The API key is read from the environment variable ``api_key_env`` (``OPENROUTER_API_KEY`` by
-default; ``None`` sends no key, for local servers). It is sent only in the ``Authorization``
-header, never over plain ``http://`` except to a loopback host, and never appears in a repr, a log
+default; ``None`` sends no key, for local servers), refused unless it is printable ASCII without
+spaces (a header-safe token), and sent only in the ``Authorization`` header, never over plain
+``http://`` except to a loopback host (a literal loopback address, or ``localhost`` resolving only to
+loopback addresses), and never appears in a repr, a log
 record, an error message, the cache or a reply: every response body has it replaced by
-``<secret>`` before it is parsed. ``user:password@`` in ``base_url`` is sent as basic auth and
-handled the same way.
+``<secret>`` before it is parsed. ``user:password@`` (or a token as the user alone) in ``base_url`` is
+sent as basic auth and handled the same way: the user, the password and their encoding are secrets.
+
+Paid usage: ``stats["prompt_tokens"]`` and ``stats["completion_tokens"]`` sum the ``usage`` of every
+completion received over the network (unusable ones included; cache hits and shared in-flight answers
+are not paid again). Every numeric option must be finite.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -59,12 +69,13 @@ from crf_replaysim._http import (
     split_credentials,
 )
 from crf_replaysim._version import __version__
-from crf_replaysim.jsonl import DEFAULT_MAX_DEPTH, json_problem, unique_temp_path
+from crf_replaysim.jsonl import loads_bounded, unique_temp_path
 from crf_replaysim.messages import MessageError, validate_messages
 
 __all__ = [
     "DEFAULT_API_KEY_ENV",
     "OPENROUTER_BASE_URL",
+    "TeacherActionError",
     "TeacherClient",
     "TeacherConfigError",
     "TeacherError",
@@ -111,6 +122,19 @@ class TeacherResponseError(TeacherError):
     retryable = True
 
 
+class TeacherActionError(TeacherResponseError):
+    """A chat completion arrived (and was paid for) but its assistant message is unusable; not retried.
+
+    ``usage`` is the reply's token usage (``None`` if it had none).
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, usage: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
 class TeacherResponseTooLarge(TeacherResponseError):
     """The response body passed ``max_response_bytes`` (after decompression); not retried."""
 
@@ -155,10 +179,24 @@ class TeacherReply:
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not allow_zero)
+    ):
         bound = ">= 0" if allow_zero else "> 0"
-        raise TeacherConfigError(f"{name} must be a number {bound}, got {value!r}")
+        raise TeacherConfigError(f"{name} must be a finite number {bound}, got {value!r}")
     return float(value)
+
+
+def _header_problem(value: str) -> str | None:
+    """Why ``value`` cannot travel in an HTTP header as a token (position and code point only, never the value)."""
+    for position, char in enumerate(value):
+        if not "!" <= char <= "~":
+            return f"character {position + 1} is U+{ord(char):04X}, not printable ASCII"
+    return None
 
 
 def _parse_retry_after(value: str | None) -> float | None:
@@ -209,17 +247,29 @@ def _parse_completion(data: Any) -> tuple[dict[str, Any], str | None, str | None
     raw = choices[0].get("message")
     if not isinstance(raw, dict):
         raise TeacherResponseError("reply's choices[0] has no 'message' object")
+    usage = _reply_usage(data)
     message: dict[str, Any] = {"role": "assistant", "content": raw.get("content")}
     if raw.get("tool_calls"):
         message["tool_calls"] = _normalise_tool_calls(raw["tool_calls"])
     try:
         validate_messages([message], "reply.choices[0].message")
     except MessageError as err:
-        raise TeacherResponseError(f"teacher returned an unusable action: {err}") from None
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+        raise TeacherActionError(
+            f"teacher returned an unusable action (not retried: it was paid for): {err}", usage
+        ) from None
     model = data.get("model") if isinstance(data.get("model"), str) else None
     finish = choices[0].get("finish_reason")
     return message, finish if isinstance(finish, str) else None, model, usage
+
+
+def _reply_usage(data: Any) -> dict[str, Any] | None:
+    """The ``usage`` object of a decoded reply, if it has one."""
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _tokens(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 NULL_CONTENT_MODES: tuple[str, ...] = ("keep", "empty")
@@ -311,7 +361,14 @@ class TeacherClient:
         self._inflight: dict[str, asyncio.Future[TeacherReply]] = {}
         self._waiters: dict[str, int] = {}
         self._cache_warned = False
-        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "deduplicated": 0}
+        self.stats = {
+            "requests": 0,
+            "cache_hits": 0,
+            "retries": 0,
+            "deduplicated": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+        }
 
     @staticmethod
     def _read_api_key(api_key_env: str | None) -> _Secret | None:
@@ -325,6 +382,13 @@ class TeacherClient:
                 f"environment variable {api_key_env} is not set or empty. Fix: export {api_key_env}=<your key>, "
                 "or pass api_key_env=<VARIABLE> (CLI: --api-key-env) naming the variable that holds it, "
                 "or api_key_env=None (CLI: --no-api-key) for an endpoint without authentication"
+            )
+        problem = _header_problem(value)
+        if problem:
+            raise TeacherConfigError(
+                f"the key in ${api_key_env} cannot be sent in an HTTP header: {problem} (a zero-width or control "
+                f"character, a space or a non-ASCII letter, often pasted with the key). Fix: export {api_key_env} "
+                "again with the key alone"
             )
         return _Secret(value)
 
@@ -359,7 +423,7 @@ class TeacherClient:
         values = [] if self._api_key is None else [self._api_key.reveal()]
         if self._basic_auth is not None:
             user, password = (part.reveal() for part in self._basic_auth)
-            values += [v for v in (password, f"{user}:{password}") if v]
+            values += [v for v in (f"{user}:{password}", password, user) if v]  # the user may be the token itself
             values.append(base64.b64encode(f"{user}:{password}".encode()).decode("ascii"))
         return values
 
@@ -531,15 +595,13 @@ class TeacherClient:
         if status != 200:
             self._raise_status(status, headers, text)
         try:
-            decoded = json.loads(text)
-        except (ValueError, RecursionError):
+            decoded = loads_bounded(text)  # NaN, lone surrogates and nesting past 100 levels refused, never raised
+        except ValueError as err:
             raise TeacherResponseError(
-                f"HTTP 200 from {self.chat_url} but the body is not JSON: {text[:_BODY_SNIPPET]!r}"
+                f"HTTP 200 from {self.chat_url} but the body is not JSON, or not usable ({err}): "
+                f"{text[:_BODY_SNIPPET]!r}"
             ) from None
-        if "\\u" in text or text.count("[") + text.count("{") > DEFAULT_MAX_DEPTH:
-            problem = json_problem(decoded)  # lone surrogates come only from \u escapes, depth only from brackets
-            if problem:
-                raise TeacherResponseError(f"unusable reply from {self.chat_url}: {problem}")
+        if "\\u" in text:
             decoded = self._redact_value(decoded)  # escaped forms of a secret are plain text only once decoded
         return decoded
 
@@ -586,6 +648,9 @@ class TeacherClient:
         if cached is not None:
             try:
                 message, finish, model, usage = _parse_completion(cached)
+            except TeacherActionError as err:  # paid for once: the same unusable answer, at no cost
+                self.stats["cache_hits"] += 1
+                raise TeacherActionError(f"{self._redact(str(err))} (from the cache)", err.usage) from None
             except TeacherError as err:
                 logger.warning("ignoring cache entry %s: %s", key, self._redact(str(err)))
             else:
@@ -612,6 +677,24 @@ class TeacherClient:
                 self._waiters[key] -= 1
         return dataclasses.replace(reply, message=copy.deepcopy(reply.message))  # callers share no mutable state
 
+    def _paid(self, key: str, data: Any) -> tuple[dict[str, Any], str | None, str | None, dict[str, Any] | None]:
+        """Parse a 200 reply; a chat completion, usable or not, is counted as paid and cached (a rerun gets the
+        same answer from disk instead of a second bill)."""
+        try:
+            parsed = _parse_completion(data)
+        except TeacherActionError as err:
+            self._count_usage(err.usage)
+            self._cache_write(key, data)
+            raise
+        self._count_usage(parsed[3])
+        self._cache_write(key, data)
+        return parsed
+
+    def _count_usage(self, usage: dict[str, Any] | None) -> None:
+        if usage:
+            self.stats["prompt_tokens"] += _tokens(usage.get("prompt_tokens"))
+            self.stats["completion_tokens"] += _tokens(usage.get("completion_tokens"))
+
     def _forget(self, key: str, task: object) -> None:
         if self._inflight.get(key) is task:
             del self._inflight[key]
@@ -623,7 +706,7 @@ class TeacherClient:
         for attempt in range(self.max_retries + 1):
             try:
                 data = await self._attempt(body)
-                message, finish, model, usage = _parse_completion(data)
+                message, finish, model, usage = self._paid(key, data)
             except TeacherError as err:
                 if not err.retryable:
                     raise
@@ -639,7 +722,6 @@ class TeacherClient:
                         ) from None
                     delay = err.retry_after_s
             else:
-                self._cache_write(key, data)
                 return TeacherReply(message, finish, model, usage, cached=False)
             if attempt == self.max_retries:
                 break

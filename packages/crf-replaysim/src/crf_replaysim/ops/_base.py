@@ -1,8 +1,10 @@
 """Base classes of the native text ops and the argument checks they share.
 
 A native op mirrors one data-juicer 1.6.1 op of the same name: same arguments, same defaults, same
-statistic and the same keep rule. Ops are stateless; a deduplicator returns a digest and the runner keeps
-the set of digests already seen.
+statistic and the same keep rule. An op may add crf-replaysim *extensions* (:attr:`NativeOp.extensions`):
+arguments data-juicer's op lacks, whose defaults give data-juicer's results; a recipe step that sets one
+to another value is run natively by the data-juicer backend too (:func:`uses_extensions`). Ops are
+stateless; a deduplicator returns a digest and the runner keeps the set of digests already seen.
 """
 
 from __future__ import annotations
@@ -66,11 +68,19 @@ def check_word_options(op: str, lang: object, tokenization: object) -> None:
     check_no_tokenization(op, tokenization)
 
 
+def uses_extensions(cls: type[NativeOp], args: Mapping[str, object]) -> bool:
+    """Whether recipe arguments ``args`` set one of ``cls``'s extensions away from its default (data-juicer's
+    op of the same name would then compute something else, so the step must run natively)."""
+    return any(key in args and args[key] != default for key, default in cls.extensions.items())
+
+
 class NativeOp(ABC):
     """One recipe step applied to the flat string in ``text_key``."""
 
     name: ClassVar[str]
     kind: ClassVar[OpKind]
+    #: crf-replaysim arguments beyond data-juicer's, with the defaults that reproduce data-juicer.
+    extensions: ClassVar[Mapping[str, object]] = {}
 
     def __init__(self, *, text_key: str) -> None:
         self.text_key = text_key
@@ -153,7 +163,7 @@ class NativeFilter(NativeOp):
     def arguments(cls) -> dict[str, object]:
         """Every argument besides ``text_key``, with its default, in data-juicer's order."""
         b = cls.bounds
-        return {**cls.options, b.low: b.low_default, b.high: b.high_default, **INTERVAL_ARGS}
+        return {**cls.options, **cls.extensions, b.low: b.low_default, b.high: b.high_default, **INTERVAL_ARGS}
 
     @classmethod
     def accepted_args(cls) -> list[str]:

@@ -29,6 +29,9 @@ _ASCII_REFINED_WORD = re.compile(
     f"[{_ASCII_WORD_CHAR}](?:[{_ASCII_WORD_CHAR}{_ASCII_INNER_SPECIAL}]*[{_ASCII_WORD_CHAR}])?"
 )
 _DELETE_SPECIAL_NOT_SEPARATOR = {ord(c): None for c in SPECIAL_CHARACTERS if c not in _SEPARATOR_CHARS}
+_ASCII_WHITESPACE = bytes(cp for cp in range(128) if chr(cp).isspace())
+_ASCII_NOT_WHITESPACE_COMPLEMENT = bytes(cp for cp in range(128) if not chr(cp).isspace())
+_ASCII_SPECIAL_VISIBLE = bytes(b for b in _ASCII_SPECIAL if not chr(b).isspace())
 _is_special = SPECIAL_CHARACTERS.__contains__
 
 
@@ -38,6 +41,17 @@ def count_special(text: str) -> int:
         raw = text.encode("ascii")
         return len(raw) - len(raw.translate(None, _ASCII_SPECIAL))
     return sum(map(_is_special, text))
+
+
+def count_visible_special(text: str) -> tuple[int, int]:
+    """``(special, visible)``: how many characters of ``text`` are not whitespace (``str.isspace()``), and how
+    many of those are in :data:`SPECIAL_CHARACTERS`."""
+    if text.isascii():
+        raw = text.encode("ascii")
+        visible = len(raw) - len(raw.translate(None, _ASCII_NOT_WHITESPACE_COMPLEMENT))
+        return visible - len(raw.translate(None, _ASCII_WHITESPACE + _ASCII_SPECIAL_VISIBLE)), visible
+    shown = [c for c in text if not c.isspace()]
+    return sum(map(_is_special, shown)), len(shown)
 
 
 def count_alnum(text: str) -> int:
