@@ -30,7 +30,7 @@ from crf_diloco.store import ObjectStore
 from crf_diloco.wire import ShardPlan, encode_payload, encode_reduced
 
 SECRET = "0123456789abcdef" * 4
-WRONG = Authenticator("f" * 64, "default")  # an attacker's guess at the secret
+WRONG = Authenticator("attacker-guess-0123456789abcdef" * 2, "default")  # an attacker's guess at the secret
 WORLD = 3
 N = 600
 TIMEOUT = 4.0
@@ -420,3 +420,67 @@ def test_garbage_decision_reads_as_abort_not_as_an_exception(memory_uri: str) ->
     ar.join(5)
     with pytest.raises(RoundAbortedError, match="corrupt or forged"):
         ar.allreduce(torch.ones(3))
+
+
+# -- exact validation of names, URIs and secrets ------------------------------------------------------------------
+@pytest.mark.parametrize("run_id", ["run\n", "run\r\n", "run ", "ru\nn", "run\x00"])
+def test_run_id_with_a_trailing_newline_or_control_character_is_refused(run_id: str, tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="run_id="):
+        ObjectStoreAllReduce(str(tmp_path), 0, 2, run_id=run_id, secret=SECRET)
+    assert list(tmp_path.iterdir()) == [], "nothing was created"
+
+
+def test_names_in_the_store_are_matched_exactly() -> None:
+    from crf_diloco.layout import parse_round_dir, parse_state_key
+    from crf_diloco.records import parse_rank
+
+    assert parse_round_dir("r00000001\n") is None
+    assert parse_round_dir("r0000000١") is None, "only ASCII digits name a round"
+    assert parse_state_key("r00000001.safetensors\n") is None
+    assert parse_rank("1\n", 4) is None
+    with pytest.raises(CorruptObjectError, match="incarnation"):
+        MemberRecord.parse({**MemberRecord(1, "a" * 32, SPEC, False, None).to_json(), "incarnation": "a" * 32 + "\n"},
+                           "m", WORLD)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("uri", "problem"),
+    [("s3://", "names no bucket"), ("s3:///", "names no bucket"), ("memory://", "names no bucket"),
+     ("gs://", "names no bucket"), ("s3:bucket", "without '//'"), ("s3:/bucket", "without '//'"),
+     ("/data\n", "control characters"), (" /data", "padded"), ("", "empty"), ("S3 ://b", "malformed scheme")],
+)  # fmt: skip
+def test_uris_that_would_silently_become_local_folders_are_refused(
+    uri: str, problem: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=problem):
+        ObjectStoreAllReduce(uri, 0, 2, secret=SECRET)
+    with pytest.raises(ValueError, match=problem):
+        ObjectStore(uri)
+    assert list(tmp_path.iterdir()) == [], "no local folder named like the URI was created"
+
+
+@pytest.mark.parametrize(
+    ("secret", "problem"),
+    [(" " * 32, "only whitespace"), (" " * 40, "only whitespace"), ("\t\n" * 20, "only whitespace"),
+     ("é" * 16, "has 16 characters"), ("x" * 32, "only 1 distinct"), ("ab" * 32, "only 2 distinct"),
+     ("0123456" * 6, "only 7 distinct"), (" 0123456789abcdef0123456789abcdef", "whitespace at either end"),
+     ("0123456789abcdef0123456789abcdef\n", "whitespace at either end"), (b"\x00" * 32, "only 1 distinct")],
+)  # fmt: skip
+def test_weak_secrets_are_refused_saying_the_rule(secret: str | bytes, problem: str) -> None:
+    from crf_diloco.auth import SECRET_RULE, validate_secret
+
+    with pytest.raises(ValueError, match=problem) as info:
+        validate_secret(secret)
+    assert SECRET_RULE in str(info.value)
+    with pytest.raises(ValueError, match="Rule: at least 32 characters"):
+        ObjectStoreAllReduce("memory://x", 0, 2, secret=secret)
+
+
+def test_secret_length_is_counted_in_characters() -> None:
+    from crf_diloco.auth import validate_secret
+
+    wide = "é-ü-ß-ø-å-ñ-ç-ł-ž-ğ-" * 2  # 40 characters, 80 bytes
+    assert validate_secret(wide) == wide.encode()
+    with pytest.raises(ValueError, match="has 31 characters"):
+        validate_secret(wide[:31])

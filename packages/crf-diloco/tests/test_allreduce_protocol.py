@@ -364,10 +364,10 @@ def test_layout_version_mismatch_is_refused(tmp_path: Any) -> None:
     with pytest.raises(AllReduceError, match="new run_id"):
         ar.allreduce(torch.ones(2))
     other = tmp_path / "other"
-    sealed = ObjectStoreAllReduce(str(tmp_path), 0, 2, run_id="other", secret="s" * 32)
+    sealed = ObjectStoreAllReduce(str(tmp_path), 0, 2, run_id="other", secret="layout-secret-0123456789abcdefgh")
     sealed._write_record("LAYOUT", {"layout": "crf-diloco", "version": 99})
     assert (other / "LAYOUT").exists()
     with pytest.raises(AllReduceError, match="holds a crf-diloco layout"):
-        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="s" * 32).allreduce(torch.ones(2))
+        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="layout-secret-0123456789abcdefgh").allreduce(torch.ones(2))
     with pytest.raises(AllReduceError, match="another run or secret"):
-        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="t" * 32).allreduce(torch.ones(2))
+        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="wrong-secret-0123456789abcdefghi").allreduce(torch.ones(2))

@@ -71,7 +71,7 @@ from crf_diloco.records import (
     ranks_named,
 )
 from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_SECRET, ENV_URI, ENV_WORLD_SIZE
-from crf_diloco.store import ObjectStore
+from crf_diloco.store import ObjectStore, validate_uri
 from crf_diloco.strictjson import parse_json_object
 from crf_diloco.wire import (
     Header,
@@ -186,7 +186,7 @@ class ObjectStoreAllReduce:
             raise ValueError(f"min_participants must be in [1, world_size={world_size}], got {min_participants!r}")
         if keep_rounds < 1:
             raise ValueError(f"keep_rounds must be >= 1, got {keep_rounds!r}")
-        self.uri = uri
+        self.uri = validate_uri(uri)
         self.rank = rank
         self.world_size = world_size
         self.run_id = validate_name(run_id, "run_id")

@@ -33,9 +33,9 @@ __all__ = [
 ]
 
 LAYOUT_VERSION = 3
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_ROUND_RE = re.compile(r"^r(\d{8,})$")
-_STATE_RE = re.compile(r"^r(\d{8,})\.safetensors$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_ROUND_RE = re.compile(r"r([0-9]{8,})")
+_STATE_RE = re.compile(r"r([0-9]{8,})\.safetensors")
 
 
 def validate_name(value: str, what: str) -> str:
@@ -46,7 +46,7 @@ def validate_name(value: str, what: str) -> str:
     """
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {type(value).__name__}")
-    if not _NAME_RE.match(value) or ".." in value:
+    if not _NAME_RE.fullmatch(value) or ".." in value:
         raise ValueError(
             f"{what}={value!r} could escape the store prefix or is not a plain name; use 1-128 characters "
             "from [A-Za-z0-9._-], starting with a letter or digit, without '..' or '/'"
@@ -94,7 +94,7 @@ class RoundKeys:
 
 def parse_round_dir(name: str) -> int | None:
     """Round number of a directory name ``r00000012`` (last path component), else ``None``."""
-    m = _ROUND_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    m = _ROUND_RE.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
 
 
@@ -105,5 +105,5 @@ def state_key(round_id: int) -> str:
 
 def parse_state_key(name: str) -> int | None:
     """Round number of a checkpoint object name, else ``None``."""
-    m = _STATE_RE.match(name.rsplit("/", 1)[-1])
+    m = _STATE_RE.fullmatch(name.rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None

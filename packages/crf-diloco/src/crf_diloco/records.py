@@ -27,14 +27,14 @@ __all__ = [
 ]
 
 MAX_NUMEL = 1 << 40
-_RANK_RE = re.compile(r"^(0|[1-9][0-9]{0,8})$")
-_TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
+_RANK_RE = re.compile(r"0|[1-9][0-9]{0,8}")
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 _MAX_TEXT = 4096
 
 
 def parse_rank(text: str, world_size: int) -> int | None:
     """The rank written as ``text`` (plain decimal digits, no sign, ``_`` or padding) if ``0 <= rank < world_size``."""
-    if not _RANK_RE.match(text):
+    if not _RANK_RE.fullmatch(text):
         return None
     rank = int(text)
     return rank if rank < world_size else None
@@ -80,7 +80,7 @@ class _Reader:
         v = self.obj[name]
         if v is None and optional:
             return None
-        if not isinstance(v, str) or len(v) > _MAX_TEXT or (pattern is not None and not pattern.match(v)):
+        if not isinstance(v, str) or len(v) > _MAX_TEXT or (pattern is not None and not pattern.fullmatch(v)):
             raise self.bad(name, "a short string" + (" matching " + pattern.pattern if pattern else ""))
         return v
 
@@ -108,7 +108,7 @@ class _Reader:
             rank = parse_rank(k, self.world_size)
             if rank is None or not isinstance(text, str) or len(text) > _MAX_TEXT:
                 raise self.bad(name, f"an object of rank (0 <= rank < {self.world_size}) -> string")
-            if value_pattern is not None and not value_pattern.match(text):
+            if value_pattern is not None and not value_pattern.fullmatch(text):
                 raise self.bad(name, f"an object of rank -> string matching {value_pattern.pattern}")
             out[rank] = text
         return out

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import stat
 import threading
 import time
 import uuid
@@ -33,7 +35,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from crf_diloco.errors import AllReduceError, CorruptObjectError, StoreBackendMissingError
 
-__all__ = ["ADAPTER_PACKAGES", "ObjectStore"]
+__all__ = ["ADAPTER_PACKAGES", "ObjectStore", "validate_uri"]
 
 T = TypeVar("T")
 
@@ -83,6 +85,36 @@ class _ClaimedPaths:
 
 
 _MEMORY_CREATES = _ClaimedPaths()
+_SCHEME_RE = re.compile(r"[a-z][a-z0-9+.-]*")
+_SCHEME_LIKE_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")
+
+
+def validate_uri(uri: str) -> str:
+    """Return ``uri`` if it names a store location exactly, else raise ``ValueError`` naming the problem.
+
+    Refused: empty or whitespace-padded strings and control characters (``"/data\\n"``), a URI without a bucket or
+    folder (``"s3://"``, which would otherwise become a local folder named ``s3:``), a malformed scheme, and a
+    scheme without ``//`` (``"s3:bucket"``, also a local folder otherwise).
+    """
+    if not isinstance(uri, str):
+        raise TypeError(f"uri must be a str, got {type(uri).__name__}")
+    if not uri.strip() or uri != uri.strip() or any(ord(c) < 32 or ord(c) == 127 for c in uri):
+        raise ValueError(f"uri={uri!r} is empty, padded with whitespace or holds control characters; give the URI alone")
+    protocol, path = fsspec.core.split_protocol(uri)
+    if protocol is not None:
+        if not _SCHEME_RE.fullmatch(protocol):
+            raise ValueError(f"uri={uri!r} has a malformed scheme {protocol!r}; write e.g. s3://bucket/prefix")
+        if not path.strip("/"):
+            raise ValueError(
+                f"uri={uri!r} names no bucket or folder; write {protocol}://<bucket-or-folder>[/prefix]"
+            )
+    elif _SCHEME_LIKE_RE.match(uri) and not uri.startswith(("./", "/")):
+        scheme = uri.split(":", 1)[0]
+        raise ValueError(
+            f"uri={uri!r} looks like a {scheme}: URI without '//' and would become a local folder; write "
+            f"{scheme}://<bucket-or-folder>[/prefix], or ./{uri} for a local folder"
+        )
+    return uri
 _NOT_TRANSIENT = (FileNotFoundError, FileExistsError)
 
 
@@ -122,8 +154,7 @@ class ObjectStore:
         retries: int = 3,
         retry_backoff: float = 0.05,
     ) -> None:
-        if not isinstance(uri, str) or not uri.strip():
-            raise ValueError(f"uri must be a non-empty string, got {uri!r}")
+        validate_uri(uri)
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if retry_backoff < 0:
