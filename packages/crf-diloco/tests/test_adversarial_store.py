@@ -484,3 +484,61 @@ def test_secret_length_is_counted_in_characters() -> None:
     assert validate_secret(wide) == wide.encode()
     with pytest.raises(ValueError, match="has 31 characters"):
         validate_secret(wide[:31])
+
+
+# -- regular files only, nothing followed out of the prefix (a real local folder) ----------------------------------
+@pytest.mark.parametrize("key", [KEYS.member(1), KEYS.data(1), KEYS.quorum, KEYS.decision])
+def test_a_fifo_at_an_object_key_never_blocks_and_fails_the_round_by_its_deadline(
+    key: str, tmp_path: Any, run_replicas: RunReplicas
+) -> None:
+    import os
+
+    fifo = tmp_path / "default" / key
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    endings = _play(str(tmp_path), run_replicas)  # the old code blocked in open() past every deadline
+    _aborted(endings, key)
+    assert "FIFO" in " | ".join(e.reason for e in endings)
+
+
+def test_a_symlinked_round_directory_redirects_no_write_and_no_delete(tmp_path: Any, run_replicas: RunReplicas) -> None:
+    """``r00000000`` is a link to a folder outside the prefix (holding a sentinel), ``r00000001/members/2.json`` a
+    link to a file outside: round 0 aborts, nothing is written or deleted outside, and later rounds (which collect
+    round 0 and 1) commit the honest means."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_bytes(b"keep me")
+    (outside / "members").mkdir()
+    (outside / "members" / "0.json").write_bytes(b"keep me too")
+    target = tmp_path / "target.json"
+    target.write_bytes(b"not an object")
+    prefix = tmp_path / "store" / "default"
+    (prefix / "r00000001" / "members").mkdir(parents=True)
+    (prefix / "r00000000").symlink_to(outside, target_is_directory=True)
+    (prefix / "r00000001" / "members" / "2.json").symlink_to(target)
+    before = sorted(str(p.relative_to(tmp_path)) for p in outside.rglob("*"))
+
+    def replica(rank: int) -> list[str]:
+        ar = ObjectStoreAllReduce(str(tmp_path / "store"), rank, WORLD, secret=SECRET, timeout=TIMEOUT,
+                                  quorum_timeout=TIMEOUT, poll_interval=0.01, keep_rounds=1)  # fmt: skip
+        ar.join(0)
+        outcomes = []
+        for round_id in range(4):
+            t = _x(rank, round_id)
+            try:
+                ar.allreduce(t)
+                torch.testing.assert_close(t.double(), sum(_x(r, round_id).double() for r in range(WORLD)) / WORLD)
+                outcomes.append("commit")
+            except AllReduceError as exc:
+                outcomes.append(f"abort: {exc}")
+        ar.close()
+        return outcomes
+
+    results = run_replicas(replica, WORLD, timeout=120)
+    for outcomes in results:
+        assert outcomes[0].startswith("abort") and "symbolic link" in outcomes[0], outcomes
+        assert outcomes[1].startswith("abort") and "r00000001/members/2.json" in outcomes[1], outcomes
+        assert outcomes[2:] == ["commit", "commit"]
+    assert sorted(str(p.relative_to(tmp_path)) for p in outside.rglob("*")) == before, "nothing landed outside"
+    assert (outside / "sentinel").read_bytes() == b"keep me"
+    assert target.read_bytes() == b"not an object"
