@@ -230,21 +230,21 @@ RECORD_ATTACKS: dict[str, tuple[str, Callable[[], bytes]]] = {
     "garbage decision": (KEYS.decision, lambda: b"\x00garbage\xff"),
     "forged commit decision": (
         KEYS.decision,
-        lambda: _sealed(KEYS.decision, DecisionRecord(0, "commit", "", 0, TOKEN)),
+        lambda: _sealed(KEYS.decision, DecisionRecord(0, "commit", "", 0, TOKEN, world_size=WORLD)),
     ),
-    "forged abort decision": (KEYS.decision, lambda: _sealed(KEYS.decision, DecisionRecord(0, "abort", "x", 0, None))),
+    "forged abort decision": (KEYS.decision, lambda: _sealed(KEYS.decision, DecisionRecord(0, "abort", "x", 0, None, world_size=WORLD))),
     "forged quorum": (
         KEYS.quorum,
-        lambda: _sealed(KEYS.quorum, QuorumRecord(0, TOKEN, (0, 1), {0: "a" * 32, 1: "b" * 32}, SPEC, 0)),
+        lambda: _sealed(KEYS.quorum, QuorumRecord(0, TOKEN, (0, 1), {0: "a" * 32, 1: "b" * 32}, SPEC, 0, world_size=WORLD)),
     ),
     "forged member in a rank's slot": (
         KEYS.member(1),
-        lambda: _sealed(KEYS.member(1), MemberRecord(1, "a" * 32, SPEC, False, None)),
+        lambda: _sealed(KEYS.member(1), MemberRecord(1, "a" * 32, SPEC, False, None, world_size=WORLD)),
     ),
     "garbage member in a rank's slot": (KEYS.member(2), lambda: b"{}"),
     "sealed member claiming another rank": (
         KEYS.member(1),
-        lambda: _sealed(KEYS.member(1), MemberRecord(0, "a" * 32, SPEC, False, None), Authenticator(SECRET, "default")),
+        lambda: _sealed(KEYS.member(1), MemberRecord(0, "a" * 32, SPEC, False, None, world_size=WORLD), Authenticator(SECRET, "default")),
     ),
     "a record 2 MB long": (KEYS.decision, lambda: b" " * (2 << 20)),
 }
@@ -260,7 +260,7 @@ def test_forged_or_garbage_records_abort_the_round(attack: str, memory_uri: str,
 
 def test_forged_vote_aborts_the_vote(memory_uri: str, run_replicas: RunReplicas) -> None:
     key = KEYS.vote(1)
-    _attacker(memory_uri).put_create(key, _sealed(key, VoteRecord(1, True, "", TOKEN, "a" * 32)))
+    _attacker(memory_uri).put_create(key, _sealed(key, VoteRecord(1, True, "", TOKEN, "a" * 32, world_size=WORLD)))
     _aborted(_play(memory_uri, run_replicas, defer=True), key)
 
 
@@ -439,7 +439,7 @@ def test_names_in_the_store_are_matched_exactly() -> None:
     assert parse_state_key("r00000001.safetensors\n") is None
     assert parse_rank("1\n", 4) is None
     with pytest.raises(CorruptObjectError, match="incarnation"):
-        MemberRecord.parse({**MemberRecord(1, "a" * 32, SPEC, False, None).to_json(), "incarnation": "a" * 32 + "\n"},
+        MemberRecord.parse({**MemberRecord(1, "a" * 32, SPEC, False, None, world_size=WORLD).to_json(), "incarnation": "a" * 32 + "\n"},
                            "m", WORLD)  # fmt: skip
 
 
@@ -542,3 +542,99 @@ def test_a_symlinked_round_directory_redirects_no_write_and_no_delete(tmp_path: 
     assert sorted(str(p.relative_to(tmp_path)) for p in outside.rglob("*")) == before, "nothing landed outside"
     assert (outside / "sentinel").read_bytes() == b"keep me"
     assert target.read_bytes() == b"not an object"
+
+
+# -- world_size bound into the layout and every record; only participants decide ---------------------------------
+def test_a_replica_with_another_world_size_fails_alone(tmp_path: Any, run_replicas: RunReplicas) -> None:
+    """Rank 1 restarts with world_size=3 (a misconfigured relaunch): it fails at once with a clear error and writes
+    nothing into any round; ranks 0 and 1 of the real run commit round 1 as if nothing happened."""
+    uri = str(tmp_path)
+
+    def honest(rank: int) -> list[float]:
+        ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=20, poll_interval=0.01)
+        seen = []
+        for round_id in range(2):
+            t = torch.full((4,), float(rank + round_id))
+            ar.allreduce(t)
+            seen.append(float(t[0]))
+            if round_id == 0:
+                stray = ObjectStoreAllReduce(uri, 1, 3, secret=SECRET, timeout=2) if rank == 0 else None
+                if stray is not None:
+                    with pytest.raises(AllReduceError, match=r"world_size=2; this replica was started with world_siz"):
+                        stray.allreduce(torch.full((4,), 100.0))
+        return seen
+
+    assert run_replicas(honest, 2) == [[0.5, 1.5], [0.5, 1.5]]
+    run = tmp_path / "default"
+    names = {p.name for p in (run / "r00000001" / "members").iterdir()}
+    assert names == {"0.json", "1.json"}
+    assert not (run / "r00000002").exists(), "the stray replica created no round"
+
+
+def test_a_record_written_for_another_world_size_is_refused_by_everyone(
+    memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """A decision sealed with the run's secret but for world_size=4 (``by=3``) is corrupt for every replica of the
+    3-replica run: all abort round 0 alike (the old code let a larger world read it as valid, a smaller one not)."""
+    key = KEYS.decision
+    record = DecisionRecord(0, "commit", "", 3, TOKEN, world_size=4)
+    _attacker(memory_uri).put_create(key, _sealed(key, record, Authenticator(SECRET, "default")))
+    _aborted(_play(memory_uri, run_replicas), "world_size=4", "corrupt or forged")
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["plain", "vote"])
+def test_observers_never_write_a_decision(defer: bool, memory_uri: str, run_replicas: RunReplicas) -> None:
+    """Ranks 0 and 1 participate but are slow to decide; rank 2 observes and has everything first. The decision is
+    written by a participant, and all three follow it (the old code let the observer write the commit)."""
+    slow = 1.0
+
+    def replica(rank: int) -> tuple[str, float]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 3, secret=SECRET, timeout=20, quorum_timeout=1.0,
+                                  poll_interval=0.01)  # fmt: skip
+        if rank < 2:
+            original = ar._write_decision
+
+            def slow_decision(*args: Any, **kwargs: Any) -> DecisionRecord:
+                time.sleep(slow)
+                return original(*args, **kwargs)
+
+            ar._write_decision = slow_decision  # type: ignore[method-assign]
+        t = torch.full((4,), float(rank))
+        ar.allreduce(t, participate=rank < 2, defer_decision=defer)
+        outcome = ("commit" if ar.vote(True) else "abort") if defer else "commit"
+        return outcome, float(t[0])
+
+    assert run_replicas(replica, 3) == [("commit", 0.5)] * 3
+    decision = ObjectStoreAllReduce(memory_uri, 0, 3, secret=SECRET).read_decision(0)
+    assert decision is not None
+    assert decision.by in (0, 1), f"the observer (rank 2) wrote the decision: {decision}"
+
+
+# -- finiteness in the payload's own dtype ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dtype", "value", "op"),
+    [(torch.float16, 30000.0, "sum"), (torch.float16, 65504.0, "sum"), (torch.float16, -22000.0, "sum")],
+)
+def test_a_reduction_that_overflows_the_payload_dtype_aborts(
+    dtype: torch.dtype, value: float, op: str, memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """Three float16 contributions of 30000 sum to 90000: finite in fp32, inf in float16. The round aborts on every
+    replica naming the dtype (the old code checked in fp32 and committed inf); inputs stay as they were."""
+
+    def replica(rank: int) -> str:
+        ar = ObjectStoreAllReduce(memory_uri, rank, WORLD, secret=SECRET, timeout=TIMEOUT, poll_interval=0.01)
+        mixed = [torch.ones(5), torch.full((N,), value, dtype=dtype)]
+        before = [t.clone() for t in mixed]
+        try:
+            ar.allreduce(mixed, op=op)  # type: ignore[arg-type]
+            return "commit"
+        except RoundAbortedError as exc:
+            assert all(torch.equal(a, b) for a, b in zip(mixed, before, strict=True)), "inputs unchanged"
+            return str(exc)
+        finally:
+            t = torch.full((N,), 1.0, dtype=dtype)
+            ar.allreduce(t, op=op)  # type: ignore[arg-type]
+            assert torch.equal(t, torch.full((N,), float(WORLD), dtype=dtype)), "the next round commits"
+
+    for outcome in run_replicas(replica, WORLD, timeout=60):
+        assert "overflow their dtype" in outcome and str(dtype).removeprefix("torch.") in outcome, outcome

@@ -83,7 +83,7 @@ def test_parse_rank_accepts_plain_decimal_ranks_only(text: str, world_size: int,
 
 def _member(**overrides: Any) -> dict[str, Any]:
     spec = PayloadSpec(10, "fp32", "avg", None, False)
-    return {**MemberRecord(1, "a" * 32, spec, False, None).to_json(), **overrides}
+    return {**MemberRecord(1, "a" * 32, spec, False, None, world_size=4).to_json(), **overrides}
 
 
 @pytest.mark.parametrize(
@@ -97,9 +97,9 @@ def _member(**overrides: Any) -> dict[str, Any]:
         _member(spec=None),  # neither spec nor veto
         _member(veto="no"),  # both
         _member(observer="no"),
-        _member(spec={"numel": 0, "codec": "fp32", "op": "avg", "name": None, "vote": False}),
-        _member(spec={"numel": 10, "codec": "fp8", "op": "avg", "name": None, "vote": False}),
-        _member(spec={"numel": 10, "codec": "fp32", "op": "max", "name": None, "vote": False}),
+        _member(spec={"numel": 0, "codec": "fp32", "op": "avg", "name": None, "vote": False, "dtypes": []}),
+        _member(spec={"numel": 10, "codec": "fp8", "op": "avg", "name": None, "vote": False, "dtypes": []}),
+        _member(spec={"numel": 10, "codec": "fp32", "op": "max", "name": None, "vote": False, "dtypes": []}),
         _member(spec=[1, 2]),
         _member(extra=1),
         {"rank": 1},
@@ -113,7 +113,7 @@ def test_member_records_are_parsed_strictly(obj: Any) -> None:
 
 def test_records_round_trip_and_reject_inconsistent_quorums() -> None:
     spec = PayloadSpec(10, "int8", "sum", "grads", True)
-    quorum = QuorumRecord(3, "b" * 32, (0, 2), {0: "a" * 32, 2: "c" * 32}, spec, 2, {1: "mismatch"})
+    quorum = QuorumRecord(3, "b" * 32, (0, 2), {0: "a" * 32, 2: "c" * 32}, spec, 2, {1: "mismatch"}, world_size=3)
     assert QuorumRecord.parse(quorum.to_json(), "q", 3, 3) == quorum
     assert quorum.plan.n_shards == 2
     for bad in [
@@ -127,9 +127,9 @@ def test_records_round_trip_and_reject_inconsistent_quorums() -> None:
     ]:
         with pytest.raises(CorruptObjectError, match=r"^q: "):
             QuorumRecord.parse(bad, "q", 3, 3)
-    vote = VoteRecord(1, False, "nan", "b" * 32, "a" * 32)
+    vote = VoteRecord(1, False, "nan", "b" * 32, "a" * 32, world_size=2)
     assert VoteRecord.parse(vote.to_json(), "v", 2) == vote
-    decision = DecisionRecord(3, "commit", "", 0, "b" * 32)
+    decision = DecisionRecord(3, "commit", "", 0, "b" * 32, world_size=2)
     assert DecisionRecord.parse(decision.to_json(), "d", 2, 3) == decision
     with pytest.raises(CorruptObjectError, match="names its round token"):
         DecisionRecord.parse({**decision.to_json(), "token": None}, "d", 2, 3)

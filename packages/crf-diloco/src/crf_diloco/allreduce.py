@@ -61,7 +61,7 @@ from crf_diloco.errors import (
     RoundTimeoutError,
 )
 from crf_diloco.layout import LAYOUT_VERSION, RoundKeys, parse_round_dir, validate_name
-from crf_diloco.payload import as_tensor_list, codec_of, count_nonfinite, flatten, write_back
+from crf_diloco.payload import as_tensor_list, codec_of, count_nonfinite, dtype_runs, flatten, nonfinite_as_dtypes, write_back
 from crf_diloco.records import (
     DecisionRecord,
     MemberRecord,
@@ -320,7 +320,7 @@ class ObjectStoreAllReduce:
             round_id = self.round_id
             self.abort(veto)
             raise RoundAbortedError(f"round {round_id} aborted: {veto} (this replica vetoed it)")
-        spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision)
+        spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision, dtype_runs(tensor_list))
         round_id = self.round_id
         try:
             result = self._run_round(round_id, flat, spec, participate)
@@ -364,7 +364,7 @@ class ObjectStoreAllReduce:
             self._finish(keys, None, "abort", str(exc), participated=False)
         except (_Abort, AllReduceError) as exc:
             # membership settled with our veto (or local trouble): abort the round for everyone
-            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", None)
+            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", None, decide=True)
             self._finish(keys, None, "abort", decision.reason, participated=False)
         finally:
             self.round_id = round_id + 1
@@ -407,7 +407,8 @@ class ObjectStoreAllReduce:
                 self._bad_decisions.add(round_id)
                 logger.warning("rank %d: %s; round %d counts as aborted", self.rank, exc, round_id)
             return DecisionRecord(
-                round_id, "abort", f"the decision object is corrupt or forged: {exc}", self.rank, None
+                round_id, "abort", f"the decision object is corrupt or forged: {exc}", self.rank, None,
+                world_size=self.world_size,
             )
 
     def read_quorum(self, round_id: int) -> QuorumRecord | None:
@@ -459,7 +460,7 @@ class ObjectStoreAllReduce:
     def _check_layout(self) -> None:
         if self._layout_ok:
             return
-        marker = {"layout": "crf-diloco", "version": LAYOUT_VERSION}
+        marker = {"layout": "crf-diloco", "version": LAYOUT_VERSION, "world_size": self.world_size}
         if not self._write_record("LAYOUT", marker):
             try:
                 found = self._read_record("LAYOUT", lambda o, k: o)
@@ -468,6 +469,13 @@ class ObjectStoreAllReduce:
                     f"{self.store.uri!r} belongs to another run or secret, or to an older crf-diloco ({exc}). "
                     "Use a new run_id, or this run's CRF_DILOCO_SECRET."
                 ) from None
+            same_version = isinstance(found, dict) and {**found, "world_size": self.world_size} == marker
+            if same_version and found != marker:
+                raise AllReduceError(
+                    f"{self.store.uri!r} is a run of world_size={found['world_size']!r}; this replica was started with "
+                    f"world_size={self.world_size}. Launch every replica of a run with the same world size (or use a "
+                    "new run_id)"
+                )
             if found != marker:
                 raise AllReduceError(
                     f"{self.store.uri!r} holds a crf-diloco layout {found!r}; this version writes layout "
@@ -513,11 +521,20 @@ class ObjectStoreAllReduce:
             raise _Abort(f"writing this replica's object failed: {_why(errors[0])}")
 
     # -- decisions --------------------------------------------------------------------------------
-    def _write_decision(self, keys: RoundKeys, outcome: str, reason: str, token: str | None) -> DecisionRecord:
-        """Create the round's decision (first writer wins) and return the one that stands."""
-        record = DecisionRecord(keys.round_id, outcome, reason, self.rank, token)  # type: ignore[arg-type]
-        with contextlib.suppress(AllReduceError):  # the read below decides whose decision stands
-            self._write_record(keys.decision, record)
+    def _write_decision(
+        self, keys: RoundKeys, outcome: str, reason: str, token: str | None, *, decide: bool
+    ) -> DecisionRecord:
+        """Create the round's decision (first writer wins) if this replica ``decide``s (a participant of the round,
+        or a non-observing announcer before its quorum), and return the one that stands. Observers never write one:
+        they wait for the participants' (`RoundTimeoutError` after ``timeout``)."""
+        if decide:
+            record = DecisionRecord(keys.round_id, outcome, reason, self.rank, token, world_size=self.world_size)  # type: ignore[arg-type]
+            with contextlib.suppress(AllReduceError):  # the read below decides whose decision stands
+                self._write_record(keys.decision, record)
+        return self._await_decision(keys)
+
+    def _await_decision(self, keys: RoundKeys) -> DecisionRecord:
+        """The round's decision, polled for up to ``timeout`` seconds (`RoundTimeoutError` after that)."""
         deadline = time.monotonic() + self.timeout
         attempt = 0
         while True:
@@ -528,9 +545,17 @@ class ObjectStoreAllReduce:
             if found is not None:
                 return found
             if time.monotonic() > deadline:
-                raise RoundTimeoutError(f"round {keys.round_id}: could neither write nor read its decision object")
+                raise RoundTimeoutError(
+                    f"round {keys.round_id}: no decision object could be read within {self.timeout:.1f}s"
+                )
             self._sleep(attempt)
             attempt += 1
+
+    def _may_decide(self, quorum: QuorumRecord | None, participate: bool) -> bool:
+        """Whether this replica may write the round's decision: its rank is a participant of the quorum (also a
+        restarted incarnation, which aborts a round its previous life cannot finish), or, before a quorum exists, it
+        announced to participate. Observers never decide."""
+        return participate and (quorum is None or self.rank in quorum.participants)
 
     def _check_decided(self, keys: RoundKeys) -> None:
         decision = self.read_decision(keys.round_id)
@@ -566,7 +591,8 @@ class ObjectStoreAllReduce:
         except (_Abort, AllReduceError) as exc:
             # local trouble (deadline, corrupt/forged/stale object, store errors): abort, follow the decision
             token = quorum.token if quorum else None
-            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", token)
+            decide = self._may_decide(quorum, participate)
+            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", token, decide=decide)
             if self._stands(decision, quorum):
                 assert quorum is not None
                 return self._follow_commit(keys, quorum, spec, decision)
@@ -579,7 +605,7 @@ class ObjectStoreAllReduce:
     def _announce(self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
         """Create this replica's member record. Returns True if a record of another incarnation of this rank is
         already there (a stale round, or our own previous life)."""
-        record = MemberRecord(self.rank, self.incarnation, spec, not participate, veto)
+        record = MemberRecord(self.rank, self.incarnation, spec, not participate, veto, world_size=self.world_size)
         if self._write_record(keys.member(self.rank), record):
             return False
         existing = self._read_member(keys, self.rank)
@@ -645,6 +671,7 @@ class ObjectStoreAllReduce:
             spec,
             self.rank,
             rejected,
+            world_size=self.world_size,
         )
         self._write_record(keys.quorum, record)
 
@@ -686,7 +713,7 @@ class ObjectStoreAllReduce:
             self._open.append(_OpenRound(keys, quorum, mine))
             self.last_round = RoundInfo(keys.round_id, "pending", list(participants), mine)
             return result
-        decision = self._write_decision(keys, "commit", "", token)
+        decision = self._write_decision(keys, "commit", "", token, decide=mine)
         if not self._stands(decision, quorum):
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
         self._finish(keys, quorum, "commit", "")
@@ -740,6 +767,10 @@ class ObjectStoreAllReduce:
         key = keys.reduced(shard)
         meta = {"token": token, "round": str(keys.round_id), "contributors": json.dumps(list(participants))}
         blob, decoded = encode_reduced(key, self.auth, acc, plan, shard, meta)
+        overflow = nonfinite_as_dtypes(decoded, lo, quorum.spec.dtypes)
+        if overflow:
+            what = ", ".join(f"{n} in {dtype}" for dtype, n in sorted(overflow.items()))
+            raise _Abort(f"shard {shard} of round {keys.round_id}: the reduced values overflow their dtype ({what})")
         if decoded.data_ptr() != acc.data_ptr():
             acc.copy_(decoded)
 
@@ -871,12 +902,16 @@ class ObjectStoreAllReduce:
         keys, quorum = open_round.keys, open_round.quorum
         try:
             if open_round.participated:
-                vote = VoteRecord(self.rank, ok, reason, quorum.token, self.incarnation)
+                vote = VoteRecord(self.rank, ok, reason, quorum.token, self.incarnation, world_size=self.world_size)
                 self._write_record(keys.vote(self.rank), vote)
-            decision = self._await_votes(keys, quorum, ok, reason)
+            if open_round.participated:
+                decision = self._await_votes(keys, quorum, ok, reason)
+            else:  # observers do not vote and never decide
+                decision = self._await_decision(keys)
         except (_Abort, AllReduceError) as exc:
             try:
-                decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", quorum.token)
+                why = f"rank {self.rank}: {_why(exc)}"
+                decision = self._write_decision(keys, "abort", why, quorum.token, decide=open_round.participated)
             except AllReduceError as final:
                 logger.warning("round %d: could not settle its vote: %s", keys.round_id, final)
                 self._finish(keys, quorum, "abort", str(final), participated=open_round.participated)
@@ -887,10 +922,10 @@ class ObjectStoreAllReduce:
         return committed
 
     def _await_votes(self, keys: RoundKeys, quorum: QuorumRecord, ok: bool, reason: str) -> DecisionRecord:
-        """Poll the round's votes until a decision stands (writing it when this replica can decide)."""
+        """(A participant) poll the round's votes until a decision stands, writing it once the votes settle it."""
         token, participants = quorum.token, quorum.participants
         if not ok:
-            return self._write_decision(keys, "abort", f"rank {self.rank} voted to abort: {reason}", token)
+            return self._write_decision(keys, "abort", f"rank {self.rank} voted to abort: {reason}", token, decide=True)
         deadline = time.monotonic() + self.timeout
         votes: dict[int, VoteRecord] = {}
         attempt = 0
@@ -909,14 +944,13 @@ class ObjectStoreAllReduce:
             against = sorted(r for r, v in votes.items() if not v.ok)
             if against:
                 why = "; ".join(f"rank {r} voted to abort: {votes[r].reason}" for r in against)
-                return self._write_decision(keys, "abort", why, token)
+                return self._write_decision(keys, "abort", why, token, decide=True)
             if len(votes) == len(participants):
-                return self._write_decision(keys, "commit", "", token)
+                return self._write_decision(keys, "commit", "", token, decide=True)
             if time.monotonic() > deadline:
                 missing = sorted(set(participants) - set(votes))
-                return self._write_decision(
-                    keys, "abort", f"votes of ranks {missing} did not appear within {self.timeout:.1f}s", token
-                )
+                why = f"votes of ranks {missing} did not appear within {self.timeout:.1f}s"
+                return self._write_decision(keys, "abort", why, token, decide=True)
             self._sleep(attempt)
             attempt += 1
 

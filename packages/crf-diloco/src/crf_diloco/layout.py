@@ -1,8 +1,8 @@
-"""Object-store layout of a serverless DiLoCo run (layout version 3).
+"""Object-store layout of a serverless DiLoCo run (layout version 4).
 
 Everything lives under ``{uri}/{run_id}/``::
 
-    LAYOUT                          {"layout": "crf-diloco", "version": 3}      (create-only)
+    LAYOUT                          {"layout": "crf-diloco", "version": 4, "world_size": W}   (create-only)
     r{round:08d}/members/{rank}.json  announcement: incarnation nonce, payload spec, observer flag, veto
     r{round:08d}/quorum.json          participants, incarnations, payload spec, rejected ranks, round token (first writer wins)
     r{round:08d}/data/{rank}.safetensors      a participant's whole payload, written once
@@ -14,7 +14,9 @@ Everything lives under ``{uri}/{run_id}/``::
 Version 2 added ``votes/`` (the store-wide ``should_commit`` vote) and the member ``veto`` field. Version 3
 authenticates every object with the run's secret (records sealed as ``{"mac": ..., "body": ...}``, tensor objects in
 wire format 2 with a header MAC and per-shard content tags), stores typed records (the quorum names ``rejected``
-ranks and no longer stores the shard plan) and writes states in the same sealed format.
+ranks and no longer stores the shard plan) and writes states in the same sealed format. Version 4 binds the run's
+``world_size`` into ``LAYOUT`` and every record, adds the payload's dtypes to its spec, and keeps the decision of
+every collected round (a tombstone: a collected round is never re-created).
 Every object is written create-only and never rewritten. Names that reach a key are validated
 so that nothing can escape the run prefix.
 """
@@ -32,7 +34,7 @@ __all__ = [
     "validate_name",
 ]
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ROUND_RE = re.compile(r"r([0-9]{8,})")
 _STATE_RE = re.compile(r"r([0-9]{8,})\.safetensors")
