@@ -14,14 +14,24 @@ import json
 import struct
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.registry import register_implementation
 
-from crf_diloco import AllReduceError, CorruptObjectError, MockManager, ObjectStoreAllReduce, RoundAbortedError
+from crf_diloco import (
+    AllReduceError,
+    CorruptObjectError,
+    MockManager,
+    ObjectStoreAllReduce,
+    RoundAbortedError,
+    RoundDesyncError,
+)
 from crf_diloco.auth import Authenticator
 from crf_diloco.checkpoint import dumps_state
 from crf_diloco.layout import RoundKeys, state_key
@@ -117,8 +127,8 @@ def _aborted(endings: list[Ending], *needles: str) -> None:
         assert needle in reasons, f"{needle!r} not in {reasons!r}"
 
 
-def _attacker(uri: str) -> ObjectStore:
-    return ObjectStore(f"{uri}/default")
+def _attacker(uri: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
+    return ObjectStore(f"{uri}/default", storage_options)
 
 
 # -- malformed headers (checksum-only mode: the attacker computes valid MACs, so the parser is what stands) -------
@@ -638,3 +648,294 @@ def test_a_reduction_that_overflows_the_payload_dtype_aborts(
 
     for outcome in run_replicas(replica, WORLD, timeout=60):
         assert "overflow their dtype" in outcome and str(dtype).removeprefix("torch.") in outcome, outcome
+
+
+# -- names bound to the run's secret: an authenticated frontier, a collector that only deletes what is ours ------
+def _junk_rounds(store: ObjectStore) -> dict[str, bytes]:
+    """Far-future round directories planted by name: garbage, a forged member, a forged quorum, a garbage decision."""
+    forged_member = _sealed(RoundKeys(99999998).member(0),
+                            MemberRecord(0, "a" * 32, SPEC, False, None, world_size=2))  # fmt: skip
+    forged_quorum = _sealed(RoundKeys(99999997).quorum,
+                            QuorumRecord(99999997, TOKEN, (0,), {0: "a" * 32}, SPEC, 0, world_size=2))  # fmt: skip
+    junk = {
+        "r99999999/members/0.json": b"\x00junk",
+        "r99999999/data/0.safetensors": b"junk",
+        RoundKeys(99999998).member(0): forged_member,
+        RoundKeys(99999997).quorum: forged_quorum,
+        "r99999996/decision.json": b"[garbage",
+    }
+    for key, blob in junk.items():
+        store.put_create(key, blob)
+    return junk
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_a_planted_far_future_round_is_ignored_by_a_restarted_replica(
+    kind: str, tmp_path: Any, memory_uri: str, run_replicas: RunReplicas, request: pytest.FixtureRequest
+) -> None:
+    """Junk named ``r99999999/...`` (and forged or garbage records in other far-future rounds) before a restart: the
+    restarted replica joins the live round (the old code joined round 99999999 and both sides committed alone).
+    Collection (``keep_rounds=1``) leaves the decisions of old rounds and touches none of the junk."""
+    options: dict[str, Any] | None = None
+    if kind == "s3":
+        moto = request.getfixturevalue("moto_s3")
+        uri, options = f"s3://{moto['bucket']}/{uuid.uuid4().hex}", moto["storage_options"]
+    else:
+        uri = str(tmp_path) if kind == "local" else memory_uri
+    junk = _junk_rounds(_attacker(uri, options))
+    restarted = threading.Event()
+
+    def replica(rank: int) -> list[float]:
+        def make() -> ObjectStoreAllReduce:
+            return ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=20, poll_interval=0.01,
+                                        storage_options=options, keep_rounds=1)  # fmt: skip
+
+        ar = make()
+        seen = []
+        for round_id in range(4):
+            if round_id == 2 and rank == 1:  # rank 1 restarts: a fresh process finds its place from the store
+                ar.close()
+                ar = make()
+                assert ar.join() == 2
+                restarted.set()
+            t = torch.full((3,), float(10 * rank + round_id))
+            ar.allreduce(t)
+            seen.append(float(t[0]))
+        assert ar.last_round is not None
+        assert ar.last_round.participants == [0, 1]
+        ar.close()  # waits for the background collection
+        return seen
+
+    assert run_replicas(replica, 2, timeout=120) == [[5.0 + r for r in range(4)]] * 2
+    assert restarted.is_set()
+    store = _attacker(uri, options)
+    assert all(store.get(key) == blob for key, blob in junk.items()), "the planted objects are left alone"
+    assert ObjectStoreAllReduce(uri, 0, 2, secret=SECRET, storage_options=options).frontier() == 4
+    _only_tombstones(store, range(3))
+
+
+def test_junk_under_state_neither_evicts_nor_replaces_real_checkpoints(memory_uri: str) -> None:
+    """Three names like far-future states (garbage, a forged state, junk) are planted first. The collector keeps the
+    three newest *authentic* states and never deletes the planted ones; rank 1 restarts after round 3 and heals from
+    round 3's real state (the old code deleted every real checkpoint right after writing it)."""
+    store = _attacker(memory_uri)
+    forged = {"w": {"w": torch.full((4,), 1e6)}, "torchft": {"step": 9, "batches_committed": 9, "round": 99999998}}
+    planted = {
+        state_key(99999999): b"junk",
+        state_key(99999998): b"".join(dumps_state(forged, state_key(99999998), WRONG)),
+        state_key(99999997): b"\x00" * 64,
+    }
+    for key, blob in planted.items():
+        store.put_create(key, blob)
+    rank0_ready = threading.Event()
+    rank1_healed = threading.Event()
+    finals: dict[int, torch.Tensor] = {}
+    healed_from: list[int | None] = []
+
+    def manager_for(rank: int, w: dict[str, torch.Tensor]) -> MockManager:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=1.0)
+        manager = MockManager(ar, heal_timeout=20)
+        manager.register_state_dict_fn("w", lambda s: w.update(w=s["w"].clone()), lambda: {"w": w["w"].clone()})
+        return manager
+
+    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int) -> bool:
+        manager.start_quorum()
+        delta = torch.full((4,), float(rank + 1 + manager.current_step()))
+        manager.allreduce(delta).wait()
+        ok = manager.should_commit()
+        if ok:
+            w["w"] = w["w"] + delta
+        return ok
+
+    def rank0() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = manager_for(0, w)
+        for _ in range(5):  # rounds 0..4 with rank 1
+            assert sync(manager, w, 0)
+        manager.shutdown()
+        rank0_ready.set()
+        assert rank1_healed.wait(60)
+        for _ in range(2):
+            assert sync(manager, w, 0)
+        manager.shutdown()  # writes round 6's state
+        finals[0] = w["w"]
+
+    def rank1() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = manager_for(1, w)
+        for _ in range(5):
+            assert sync(manager, w, 1)
+        assert rank0_ready.wait(60)
+        w = {"w": torch.full((4,), -7.0)}  # restarted: fresh weights
+        manager = manager_for(1, w)
+        manager.start_quorum()
+        healed_from.append(manager._last_committed_round)
+        assert not manager._stale, "healed from the newest committed state, not an older fallback"
+        rank1_healed.set()
+        for _ in range(2):
+            sync(manager, w, 1)
+        finals[1] = w["w"]
+
+    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads)
+    assert healed_from == [4]
+    assert torch.equal(finals[0], finals[1])
+    names = set(store.list_names("state"))
+    assert {k.rsplit("/", 1)[-1] for k in planted} <= names
+    assert all(store.get(key) == blob for key, blob in planted.items()), "planted names are never deleted"
+    real = sorted(n for n in names if n < "r99999997")
+    assert real == [f"r{r:08d}.safetensors" for r in (4, 5, 6)], "the three newest real states are kept"
+
+
+# -- replicas that stall past keep_rounds or read a listing that lags ----------------------------------------------
+class LaggingMemoryFileSystem(MemoryFileSystem):
+    """``memory://`` whose listings omit the names in ``hidden`` (a listing that lags behind the newest rounds)."""
+
+    protocol = "crflag"
+    store: ClassVar[dict[str, Any]] = {}
+    pseudo_dirs: ClassVar[list[str]] = [""]
+    hidden: ClassVar[set[str]] = set()
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        return str(super()._strip_protocol(str(path).removeprefix("crflag://")))
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        entries = super().ls(path, detail=detail, **kwargs)
+
+        def name(e: Any) -> str:
+            return str(e["name"] if isinstance(e, dict) else e).rstrip("/").rsplit("/", 1)[-1]
+
+        return [e for e in entries if name(e) not in self.hidden]
+
+
+@pytest.fixture
+def lagging_uri() -> Iterator[str]:
+    register_implementation("crflag", LaggingMemoryFileSystem, clobber=True)
+    LaggingMemoryFileSystem.store.clear()
+    LaggingMemoryFileSystem.hidden.clear()
+    yield "crflag://lag"
+    LaggingMemoryFileSystem.store.clear()
+    LaggingMemoryFileSystem.hidden.clear()
+
+
+def _only_tombstones(store: ObjectStore, rounds: range) -> None:
+    for r in rounds:
+        assert store.list_names(RoundKeys(r).prefix) == ["decision.json"], f"round {r} was re-created"
+
+
+def test_a_listing_that_lags_three_rounds_behind_still_joins_the_live_round(
+    lagging_uri: str, run_replicas: RunReplicas
+) -> None:
+    """Rounds 0..5 commit (0..3 collected). Restarted replicas list the prefix three rounds late (round 2 looks like
+    the newest): they find the live round 6 through the decisions kept by collection, instead of re-creating a
+    collected round (the old code joined round 0 again)."""
+    both_done = threading.Barrier(2)
+
+    def replica(rank: int) -> tuple[int, float, int | None]:
+        def make() -> ObjectStoreAllReduce:
+            return ObjectStoreAllReduce(lagging_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=20,
+                                        poll_interval=0.01, keep_rounds=2)  # fmt: skip
+
+        ar = make()
+        for round_id in range(6):
+            ar.allreduce(torch.full((3,), float(rank + round_id)))
+        ar.close()  # waits for the background collection
+        both_done.wait()
+        if rank == 1:
+            LaggingMemoryFileSystem.hidden.update({"r00000003", "r00000004", "r00000005"})
+        both_done.wait()
+        ar = make()  # both restart, and list the prefix late
+        joined = ar.join()
+        t = torch.full((3,), float(rank + 6))
+        ar.allreduce(t)
+        return joined, float(t[0]), ar.latest_committed_round()
+
+    assert run_replicas(replica, 2, timeout=120) == [(6, 6.5, 6), (6, 6.5, 6)]
+    LaggingMemoryFileSystem.hidden.clear()
+    _only_tombstones(_attacker(lagging_uri), range(4))
+
+
+def test_a_replica_that_stalls_past_keep_rounds_between_rounds_catches_up(
+    memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """Rank 1 stalls after round 0 while rank 0 runs rounds 1..5 alone (rounds 0..3 are collected). Resumed, rank 1
+    fails its stale round loudly (`RoundDesyncError`) without writing into it, then joins the live round with rank
+    0. It never commits a collected round alone or returns another replica's result as its own."""
+    resumed = threading.Event()
+
+    def replica(rank: int) -> list[str]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5,
+                                  poll_interval=0.01, keep_rounds=2)  # fmt: skip
+        log = []
+        ar.allreduce(torch.full((3,), float(rank)))
+        if rank == 0:
+            for round_id in range(1, 6):
+                t = torch.full((3,), float(round_id))
+                ar.allreduce(t)
+                assert float(t[0]) == round_id, "alone: its own value"
+            while ar._pool is not None and ar._pool._work_queue.qsize():  # the collection of round 3 has run
+                time.sleep(0.01)
+            time.sleep(0.3)
+            resumed.set()
+            time.sleep(0.5)  # rank 1 announces first, so the quorum holds both
+        else:
+            assert resumed.wait(60)
+            t = torch.full((3,), 100.0)
+            with pytest.raises(RoundDesyncError, match="fell more than keep_rounds=2 rounds behind"):
+                ar.allreduce(t)
+            assert torch.equal(t, torch.full((3,), 100.0))
+            log.append(f"joins {ar.join()}")
+        t = torch.full((3,), float(rank + 6))
+        ar.allreduce(t)
+        log.append(f"round {ar.round_id - 1}: {float(t[0])}")
+        return log
+
+    assert run_replicas(replica, 2, timeout=120) == [["round 6: 6.5"], ["joins 6", "round 6: 6.5"]]
+    _only_tombstones(_attacker(memory_uri), range(4))
+
+
+def test_a_replica_that_stalls_mid_round_past_keep_rounds_never_writes_into_it(
+    memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """Rank 1 stalls between round 0's quorum and its payload write; rank 0 aborts round 0 at its deadline and runs
+    rounds 1..4 alone, collecting rounds 0..2. Resumed, rank 1 finds round 0 decided and writes nothing into it
+    (the old code wrote its payload into the collected round), then meets rank 0 in the live round."""
+    resumed = threading.Event()
+
+    def replica(rank: int) -> list[str]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=1.5, quorum_timeout=0.5,
+                                  poll_interval=0.01, keep_rounds=2)  # fmt: skip
+        log = []
+        if rank == 1:
+            original = ar._check_spec
+
+            def stall(*args: Any) -> None:
+                ar._check_spec = original  # type: ignore[method-assign]
+                assert resumed.wait(60)
+                original(*args)
+
+            ar._check_spec = stall  # type: ignore[method-assign]
+        t = torch.full((3,), float(rank))
+        with pytest.raises(RoundAbortedError):
+            ar.allreduce(t)
+        if rank == 0:
+            for round_id in range(1, 5):
+                ar.allreduce(torch.full((3,), float(round_id)))
+            time.sleep(0.5)  # the background collection of round 2
+            resumed.set()
+            time.sleep(0.5)
+        else:
+            log.append(f"joins {ar.join()}")
+        ar.timeout = 20
+        t = torch.full((3,), float(rank + 5))
+        ar.allreduce(t)
+        log.append(f"round {ar.round_id - 1}: {float(t[0])}")
+        return log
+
+    assert run_replicas(replica, 2, timeout=120) == [["round 5: 5.5"], ["joins 5", "round 5: 5.5"]]
+    _only_tombstones(_attacker(memory_uri), range(3))

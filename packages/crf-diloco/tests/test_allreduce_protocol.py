@@ -139,7 +139,11 @@ def test_store_layout_and_garbage_collection(tmp_path: Any, run_replicas: RunRep
     ar = ObjectStoreAllReduce(str(tmp_path), 0, 2)
     assert json.loads((run / "LAYOUT").read_text())["body"] == {"layout": "crf-diloco", "version": 4, "world_size": 2}
     rounds = sorted(p.name for p in run.iterdir() if p.name.startswith("r"))
-    assert rounds == ["r00000003", "r00000004"], "rounds older than keep_rounds are collected"
+    assert rounds == [f"r{r:08d}" for r in range(5)]
+    for old in rounds[:3]:  # rounds older than keep_rounds are collected, their decision kept as a tombstone
+        assert [p.name for p in (run / old).iterdir()] == ["decision.json"], old
+        assert ar.read_decision(int(old[1:])) is not None
+    assert (run / "r00000003" / "quorum.json").exists()
     r4 = run / "r00000004"
     decision = ar.read_decision(4)
     assert decision is not None

@@ -16,14 +16,16 @@ Protocol of one round ``r`` (keys in :mod:`crf_diloco.layout`, records in :mod:`
    background while it reads the others' slices).
 4. **Reduce-scatter.** The owner of shard ``k`` (``participants[k]``) range-reads slice ``k`` of every payload,
    verifies its tag, sums in fp32 in participant order (divides by the number of participants for ``avg``),
-   checks that the sum is finite (naming the ranks that sent NaN/inf) and creates ``reduced/{k}.safetensors``.
+   checks that the sum is finite (naming the ranks that sent NaN/inf), and finite again after the codec in the
+   payload's own dtypes (a float16 sum can overflow), and creates ``reduced/{k}.safetensors``.
    If a shard is still missing ``straggler_grace`` seconds into the data phase, any replica computes and creates
    it; the inputs and summation order are fixed by the quorum, so duplicates are bit-identical.
 5. **All-gather.** Everyone reads and verifies the reduced shards.
 6. **Decide.** A replica that holds every verified shard creates ``decision.json`` with ``commit``; a replica
    whose deadline passes, or that finds a corrupt, forged or stale object, creates it with ``abort``. First writer
    wins and every replica follows what it reads there; a decision that fails authentication counts as ``abort``
-   for everyone. Inputs are only written after a commit.
+   for everyone. Only participants (before the quorum: replicas that announced to take part) write decisions;
+   observers wait for them. Inputs are only written after a commit.
 7. **Vote** (rounds run with ``defer_decision=True``, e.g. by ``MockManager``). Step 6 never writes ``commit``;
    :meth:`ObjectStoreAllReduce.vote` does: each participant creates ``votes/{rank}.json``, and the first replica
    able to decide creates ``decision.json``: ``commit`` once every participant voted true, ``abort`` as soon as
@@ -95,6 +97,8 @@ R = TypeVar("R")
 Compression = Literal["bf16", "int8"]
 _UNSET: Any = object()
 _MAX_RECORD = 1 << 20
+#: what collection deletes from a round (its decision stays as the tombstone)
+_ROUND_PARTS = ("members", "quorum.json", "data", "reduced", "votes")
 Pending = list["concurrent.futures.Future[None]"]
 
 
@@ -417,24 +421,76 @@ class ObjectStoreAllReduce:
         return self._read_record(key, lambda o, k: QuorumRecord.parse(o, k, self.world_size, round_id))
 
     def latest_committed_round(self) -> int | None:
-        """Highest round id whose authentic decision in the store is ``commit`` (among retained rounds)."""
-        for r in sorted(self._round_ids(), reverse=True):
+        """Highest round id whose authentic decision in the store is ``commit``: among the listed rounds and those a
+        lagging listing does not show yet (found by reading the decisions after the newest listed round)."""
+        listed = self._round_ids()
+        after = listed[-1] + 1 if listed else 0
+        for r in sorted({*listed, *range(after, self._decided_from(after))}, reverse=True):
             decision = self.read_decision(r)
             if decision is not None and decision.committed:
                 return r
         return None
 
     def frontier(self) -> int:
-        """The round replicas are in now: the newest round if undecided, else the one after it (never less than
-        this instance's ``round_id``)."""
+        """The round replicas are in now (never less than this instance's ``round_id``), from authenticated objects
+        only: the newest round holding one (a decision, the quorum or a member record sealed with the run's secret)
+        if it is undecided, else the one after it; then past every round whose authentic decision exists, which a
+        listing that lags behind does not show. Directories planted by name (``r99999999/...``) are ignored."""
         self._check_layout()
-        rounds = self._round_ids()
         frontier = self.round_id
-        if rounds:
-            last = rounds[-1]
-            decided = self.store.exists(RoundKeys(last).decision)
-            frontier = max(frontier, last + 1 if decided else last)
-        return frontier
+        for r in sorted(self._round_ids(), reverse=True):
+            if r < frontier:
+                break
+            if self._holds_our_objects(r):
+                frontier = r + 1 if self.store.exists(RoundKeys(r).decision) else r
+                break
+        return self._decided_from(frontier)
+
+    def _authentic_decision(self, round_id: int) -> DecisionRecord | None:
+        """The decision of ``round_id`` if it exists and is authentic (a forged or garbage one is ``None`` here)."""
+        key = RoundKeys(round_id).decision
+        with contextlib.suppress(CorruptObjectError):
+            return self._read_record(key, lambda o, k: DecisionRecord.parse(o, k, self.world_size, round_id))
+        return None
+
+    def _decided_from(self, round_id: int) -> int:
+        """The first round from ``round_id`` on without an authentic decision (decisions outlive collection)."""
+        while self._authentic_decision(round_id) is not None:
+            round_id += 1
+        return round_id
+
+    def _holds_our_objects(self, round_id: int) -> bool:
+        """Whether the directory of ``round_id`` holds an object authenticated for this run."""
+        keys = RoundKeys(round_id)
+        if self._authentic_decision(round_id) is not None:
+            return True
+        try:
+            if self.read_quorum(round_id) is not None:
+                return True
+            for rank in ranks_named(self.store.list_names(keys.members_dir), self.world_size):
+                with contextlib.suppress(CorruptObjectError):
+                    if self._read_member(keys, rank) is not None:
+                        return True
+        except CorruptObjectError:
+            pass
+        return False
+
+    def _collect(self, round_id: int) -> None:
+        """(Background) collect a round ``keep_rounds`` behind this replica's decided one: delete its members, quorum,
+        data, reduced shards and votes, and keep its decision as a tombstone (writing ``abort`` if it has none), so
+        that a replica that stalled or reads a lagging listing finds the round decided and never re-creates it.
+        Nothing else under the prefix is touched."""
+        keys = RoundKeys(round_id)
+        names = self.store.list_names(keys.prefix)
+        if not names:
+            return
+        if "decision.json" not in names:
+            reason = f"collected by rank {self.rank} after round {round_id + self.keep_rounds} was decided"
+            record = DecisionRecord(round_id, "abort", reason, self.rank, None, world_size=self.world_size)
+            self._write_record(keys.decision, record)
+        for name in _ROUND_PARTS:
+            if name in names:
+                self.store.remove_tree(f"{keys.prefix}/{name}")
 
     def join(self, round_id: int | None = None) -> int:
         """Set the next round to ``round_id`` (default: the :meth:`frontier`) and return it.
@@ -558,9 +614,23 @@ class ObjectStoreAllReduce:
         return participate and (quorum is None or self.rank in quorum.participants)
 
     def _check_decided(self, keys: RoundKeys) -> None:
+        """Raise if the round ended under this replica: `RoundAbortedError` if it aborted, `RoundDesyncError` if it
+        committed and has been collected since (its quorum is gone: this replica stalled past ``keep_rounds``)."""
         decision = self.read_decision(keys.round_id)
-        if decision is not None and not decision.committed:
+        if decision is None:
+            return
+        if not decision.committed:
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
+        if self.read_quorum(keys.round_id) is None:
+            raise self._fell_behind(keys)
+
+    def _fell_behind(self, keys: RoundKeys) -> RoundDesyncError:
+        """This replica reached a round that committed and was collected: rejoin at the frontier next time."""
+        self._joined = False
+        return RoundDesyncError(
+            f"round {keys.round_id} committed and has been collected: rank {self.rank} fell more than keep_rounds="
+            f"{self.keep_rounds} rounds behind the run. It joins the live round next (MockManager heals it first)"
+        )
 
     @staticmethod
     def _stands(decision: DecisionRecord, quorum: QuorumRecord | None) -> bool:
@@ -573,11 +643,15 @@ class ObjectStoreAllReduce:
         quorum: QuorumRecord | None = None
         try:
             decision = self.read_decision(round_id)
-            if decision is not None:
+            if decision is not None:  # decided before this replica came
                 if not decision.committed:
+                    if not self.store.list_names(keys.members_dir):  # and collected: rejoin at the frontier next
+                        self._joined = False
                     raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}")
                 quorum = self.read_quorum(round_id)
-                if quorum is None or not self._stands(decision, quorum):
+                if quorum is None:
+                    raise self._fell_behind(keys)
+                if not self._stands(decision, quorum):
                     raise CorruptObjectError(f"{keys.decision}: commits a round attempt without a matching quorum")
                 return self._follow_commit(keys, quorum, spec, decision)
             stale_self = self._announce(keys, spec, participate)
@@ -697,6 +771,7 @@ class ObjectStoreAllReduce:
         done: set[int] = set()
         try:
             if mine:
+                self._check_decided(keys)  # never write into a round that ended (or was collected) meanwhile
                 key = keys.data(self.rank)
                 meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
                 pending.append(
@@ -902,6 +977,8 @@ class ObjectStoreAllReduce:
         keys, quorum = open_round.keys, open_round.quorum
         try:
             if open_round.participated:
+                if self.read_decision(keys.round_id) is not None and self.read_quorum(keys.round_id) is None:
+                    raise self._fell_behind(keys)  # collected meanwhile: a vote would re-create the round
                 vote = VoteRecord(self.rank, ok, reason, quorum.token, self.incarnation, world_size=self.world_size)
                 self._write_record(keys.vote(self.rank), vote)
             if open_round.participated:
@@ -976,7 +1053,7 @@ class ObjectStoreAllReduce:
         elif self._expected is not None:  # aborted before its quorum: who was expected still is
             self._expected |= announced
         if participants and self.rank == min(participants) and keys.round_id >= self.keep_rounds:
-            self._submit(self.store.remove_tree, RoundKeys(keys.round_id - self.keep_rounds).prefix)
+            self._submit(self._collect, keys.round_id - self.keep_rounds)
 
 
 def _why(exc: BaseException | None) -> str:
