@@ -242,10 +242,15 @@ RECORD_ATTACKS: dict[str, tuple[str, Callable[[], bytes]]] = {
         KEYS.decision,
         lambda: _sealed(KEYS.decision, DecisionRecord(0, "commit", "", 0, TOKEN, world_size=WORLD)),
     ),
-    "forged abort decision": (KEYS.decision, lambda: _sealed(KEYS.decision, DecisionRecord(0, "abort", "x", 0, None, world_size=WORLD))),
+    "forged abort decision": (
+        KEYS.decision,
+        lambda: _sealed(KEYS.decision, DecisionRecord(0, "abort", "x", 0, None, world_size=WORLD)),
+    ),
     "forged quorum": (
         KEYS.quorum,
-        lambda: _sealed(KEYS.quorum, QuorumRecord(0, TOKEN, (0, 1), {0: "a" * 32, 1: "b" * 32}, SPEC, 0, world_size=WORLD)),
+        lambda: _sealed(
+            KEYS.quorum, QuorumRecord(0, TOKEN, (0, 1), {0: "a" * 32, 1: "b" * 32}, SPEC, 0, world_size=WORLD)
+        ),
     ),
     "forged member in a rank's slot": (
         KEYS.member(1),
@@ -254,7 +259,11 @@ RECORD_ATTACKS: dict[str, tuple[str, Callable[[], bytes]]] = {
     "garbage member in a rank's slot": (KEYS.member(2), lambda: b"{}"),
     "sealed member claiming another rank": (
         KEYS.member(1),
-        lambda: _sealed(KEYS.member(1), MemberRecord(0, "a" * 32, SPEC, False, None, world_size=WORLD), Authenticator(SECRET, "default")),
+        lambda: _sealed(
+            KEYS.member(1),
+            MemberRecord(0, "a" * 32, SPEC, False, None, world_size=WORLD),
+            Authenticator(SECRET, "default"),
+        ),
     ),
     "a record 2 MB long": (KEYS.decision, lambda: b" " * (2 << 20)),
 }
@@ -546,8 +555,10 @@ def test_a_symlinked_round_directory_redirects_no_write_and_no_delete(tmp_path: 
 
     results = run_replicas(replica, WORLD, timeout=120)
     for outcomes in results:
-        assert outcomes[0].startswith("abort") and "symbolic link" in outcomes[0], outcomes
-        assert outcomes[1].startswith("abort") and "r00000001/members/2.json" in outcomes[1], outcomes
+        assert outcomes[0].startswith("abort"), outcomes
+        assert "symbolic link" in outcomes[0], outcomes
+        assert outcomes[1].startswith("abort"), outcomes
+        assert "r00000001/members/2.json" in outcomes[1], outcomes
         assert outcomes[2:] == ["commit", "commit"]
     assert sorted(str(p.relative_to(tmp_path)) for p in outside.rglob("*")) == before, "nothing landed outside"
     assert (outside / "sentinel").read_bytes() == b"keep me"
@@ -647,7 +658,8 @@ def test_a_reduction_that_overflows_the_payload_dtype_aborts(
             assert torch.equal(t, torch.full((N,), float(WORLD), dtype=dtype)), "the next round commits"
 
     for outcome in run_replicas(replica, WORLD, timeout=60):
-        assert "overflow their dtype" in outcome and str(dtype).removeprefix("torch.") in outcome, outcome
+        assert "overflow their dtype" in outcome, outcome
+        assert str(dtype).removeprefix("torch.") in outcome, outcome
 
 
 # -- names bound to the run's secret: an authenticated frontier, a collector that only deletes what is ours ------

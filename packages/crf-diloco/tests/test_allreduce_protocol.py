@@ -372,6 +372,10 @@ def test_layout_version_mismatch_is_refused(tmp_path: Any) -> None:
     sealed._write_record("LAYOUT", {"layout": "crf-diloco", "version": 99})
     assert (other / "LAYOUT").exists()
     with pytest.raises(AllReduceError, match="holds a crf-diloco layout"):
-        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="layout-secret-0123456789abcdefgh").allreduce(torch.ones(2))
+        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="layout-secret-0123456789abcdefgh").allreduce(
+            torch.ones(2)
+        )
     with pytest.raises(AllReduceError, match="another run or secret"):
-        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="wrong-secret-0123456789abcdefghi").allreduce(torch.ones(2))
+        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="wrong-secret-0123456789abcdefghi").allreduce(
+            torch.ones(2)
+        )

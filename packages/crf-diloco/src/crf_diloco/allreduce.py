@@ -63,7 +63,15 @@ from crf_diloco.errors import (
     RoundTimeoutError,
 )
 from crf_diloco.layout import LAYOUT_VERSION, RoundKeys, parse_round_dir, validate_name
-from crf_diloco.payload import as_tensor_list, codec_of, count_nonfinite, dtype_runs, flatten, nonfinite_as_dtypes, write_back
+from crf_diloco.payload import (
+    as_tensor_list,
+    codec_of,
+    count_nonfinite,
+    dtype_runs,
+    flatten,
+    nonfinite_as_dtypes,
+    write_back,
+)
 from crf_diloco.records import (
     DecisionRecord,
     MemberRecord,
@@ -411,7 +419,11 @@ class ObjectStoreAllReduce:
                 self._bad_decisions.add(round_id)
                 logger.warning("rank %d: %s; round %d counts as aborted", self.rank, exc, round_id)
             return DecisionRecord(
-                round_id, "abort", f"the decision object is corrupt or forged: {exc}", self.rank, None,
+                round_id,
+                "abort",
+                f"the decision object is corrupt or forged: {exc}",
+                self.rank,
+                None,
                 world_size=self.world_size,
             )
 
@@ -525,10 +537,10 @@ class ObjectStoreAllReduce:
                     f"{self.store.uri!r} belongs to another run or secret, or to an older crf-diloco ({exc}). "
                     "Use a new run_id, or this run's CRF_DILOCO_SECRET."
                 ) from None
-            same_version = isinstance(found, dict) and {**found, "world_size": self.world_size} == marker
-            if same_version and found != marker:
+            theirs = found.get("world_size") if isinstance(found, dict) else None
+            if found is not None and found != marker and {**found, "world_size": self.world_size} == marker:
                 raise AllReduceError(
-                    f"{self.store.uri!r} is a run of world_size={found['world_size']!r}; this replica was started with "
+                    f"{self.store.uri!r} is a run of world_size={theirs!r}; this replica was started with "
                     f"world_size={self.world_size}. Launch every replica of a run with the same world size (or use a "
                     "new run_id)"
                 )

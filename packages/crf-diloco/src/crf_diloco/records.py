@@ -8,6 +8,7 @@ names the ``world_size`` of its writer, and a reader refuses one written for ano
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -113,7 +114,7 @@ class _Reader:
         ):  # fmt: skip
             raise self.bad(name, want)
         runs = tuple((str(d), int(n)) for d, n in v)
-        if any(a[0] == b[0] for a, b in zip(runs, runs[1:], strict=False)) or [d for d, _ in runs] == ["float32"]:
+        if any(a[0] == b[0] for a, b in itertools.pairwise(runs)) or [d for d, _ in runs] == ["float32"]:
             raise self.bad(name, want)
         return runs
 

@@ -99,15 +99,15 @@ def validate_uri(uri: str) -> str:
     if not isinstance(uri, str):
         raise TypeError(f"uri must be a str, got {type(uri).__name__}")
     if not uri.strip() or uri != uri.strip() or any(ord(c) < 32 or ord(c) == 127 for c in uri):
-        raise ValueError(f"uri={uri!r} is empty, padded with whitespace or holds control characters; give the URI alone")
+        raise ValueError(
+            f"uri={uri!r} is empty, padded with whitespace or holds control characters; give the URI alone"
+        )
     protocol, path = fsspec.core.split_protocol(uri)
     if protocol is not None:
         if not _SCHEME_RE.fullmatch(protocol):
             raise ValueError(f"uri={uri!r} has a malformed scheme {protocol!r}; write e.g. s3://bucket/prefix")
         if not path.strip("/"):
-            raise ValueError(
-                f"uri={uri!r} names no bucket or folder; write {protocol}://<bucket-or-folder>[/prefix]"
-            )
+            raise ValueError(f"uri={uri!r} names no bucket or folder; write {protocol}://<bucket-or-folder>[/prefix]")
     elif _SCHEME_LIKE_RE.match(uri) and not uri.startswith(("./", "/")):
         scheme = uri.split(":", 1)[0]
         raise ValueError(
@@ -115,6 +115,8 @@ def validate_uri(uri: str) -> str:
             f"{scheme}://<bucket-or-folder>[/prefix], or ./{uri} for a local folder"
         )
     return uri
+
+
 _NOT_TRANSIENT = (FileNotFoundError, FileExistsError)
 
 
