@@ -106,7 +106,7 @@ Compression = Literal["bf16", "int8"]
 _UNSET: Any = object()
 _MAX_RECORD = 1 << 20
 #: what collection deletes from a round (its decision stays as the tombstone)
-_ROUND_PARTS = ("members", "quorum.json", "data", "reduced", "votes")
+_ROUND_PARTS = ("quorum.json", "members", "data", "reduced", "votes")  # quorum first: then a check sees it gone
 Pending = list["concurrent.futures.Future[None]"]
 
 
@@ -634,15 +634,26 @@ class ObjectStoreAllReduce:
         if not decision.committed:
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
         if self.read_quorum(keys.round_id) is None:
-            raise self._fell_behind(keys)
+            raise self._fell_behind(keys, decision)
 
-    def _fell_behind(self, keys: RoundKeys) -> RoundDesyncError:
-        """This replica reached a round that committed and was collected: rejoin at the frontier next time."""
+    def _check_not_collected(self, keys: RoundKeys) -> None:
+        """Before a write into a round: raise if the round was collected under this replica (its decision is kept,
+        its quorum gone), so that nothing re-creates it. A decided round that is not collected yet may still get the
+        write (collection deletes it later)."""
+        decision = self.read_decision(keys.round_id)
+        if decision is not None and self.read_quorum(keys.round_id) is None:
+            raise self._fell_behind(keys, decision)
+
+    def _fell_behind(self, keys: RoundKeys, decision: DecisionRecord) -> RoundDesyncError | RoundAbortedError:
+        """This replica reached a round that was decided and collected: rejoin at the frontier next time."""
         self._joined = False
-        return RoundDesyncError(
-            f"round {keys.round_id} committed and has been collected: rank {self.rank} fell more than keep_rounds="
-            f"{self.keep_rounds} rounds behind the run. It joins the live round next (MockManager heals it first)"
+        behind = (
+            f"rank {self.rank} fell more than keep_rounds={self.keep_rounds} rounds behind the run. It joins the live "
+            "round next (MockManager heals it first)"
         )
+        if not decision.committed:
+            return RoundAbortedError(f"round {keys.round_id} aborted and has been collected: {behind}")
+        return RoundDesyncError(f"round {keys.round_id} committed and has been collected: {behind}")
 
     @staticmethod
     def _stands(decision: DecisionRecord, quorum: QuorumRecord | None) -> bool:
@@ -662,7 +673,7 @@ class ObjectStoreAllReduce:
                     raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}")
                 quorum = self.read_quorum(round_id)
                 if quorum is None:
-                    raise self._fell_behind(keys)
+                    raise self._fell_behind(keys, decision)
                 if not self._stands(decision, quorum):
                     raise CorruptObjectError(f"{keys.decision}: commits a round attempt without a matching quorum")
                 return self._follow_commit(keys, quorum, spec, decision)
@@ -783,7 +794,7 @@ class ObjectStoreAllReduce:
         done: set[int] = set()
         try:
             if mine:
-                self._check_decided(keys)  # never write into a round that ended (or was collected) meanwhile
+                self._check_not_collected(keys)  # never re-create a round collected meanwhile
                 key = keys.data(self.rank)
                 meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
                 pending.append(
@@ -989,8 +1000,7 @@ class ObjectStoreAllReduce:
         keys, quorum = open_round.keys, open_round.quorum
         try:
             if open_round.participated:
-                if self.read_decision(keys.round_id) is not None and self.read_quorum(keys.round_id) is None:
-                    raise self._fell_behind(keys)  # collected meanwhile: a vote would re-create the round
+                self._check_not_collected(keys)  # a vote into a collected round would re-create it
                 vote = VoteRecord(self.rank, ok, reason, quorum.token, self.incarnation, world_size=self.world_size)
                 self._write_record(keys.vote(self.rank), vote)
             if open_round.participated:
