@@ -583,6 +583,8 @@ def test_a_replica_with_another_world_size_fails_alone(tmp_path: Any, run_replic
                 if stray is not None:
                     with pytest.raises(AllReduceError, match=r"world_size=2; this replica was started with world_siz"):
                         stray.allreduce(torch.full((4,), 100.0))
+                    with pytest.raises(AllReduceError, match="world_size=2"):
+                        stray.join(1)  # an explicit round checks the layout too
         return seen
 
     assert run_replicas(honest, 2) == [[0.5, 1.5], [0.5, 1.5]]

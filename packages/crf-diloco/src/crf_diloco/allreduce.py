@@ -513,6 +513,7 @@ class ObjectStoreAllReduce:
         if round_id is not None and round_id < 0:
             raise ValueError(f"round_id must be >= 0, got {round_id}")
         self.preflight()
+        self._check_layout()  # also for an explicit round: a replica of another world size fails here, alone
         self.round_id = self.frontier() if round_id is None else round_id
         self._joined = True
         return self.round_id
