@@ -14,14 +14,24 @@ import json
 import struct
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.registry import register_implementation
 
-from crf_diloco import AllReduceError, CorruptObjectError, MockManager, ObjectStoreAllReduce, RoundAbortedError
+from crf_diloco import (
+    AllReduceError,
+    CorruptObjectError,
+    MockManager,
+    ObjectStoreAllReduce,
+    RoundAbortedError,
+    RoundDesyncError,
+)
 from crf_diloco.auth import Authenticator
 from crf_diloco.checkpoint import dumps_state
 from crf_diloco.layout import RoundKeys, state_key
@@ -30,7 +40,7 @@ from crf_diloco.store import ObjectStore
 from crf_diloco.wire import ShardPlan, encode_payload, encode_reduced
 
 SECRET = "0123456789abcdef" * 4
-WRONG = Authenticator("f" * 64, "default")  # an attacker's guess at the secret
+WRONG = Authenticator("attacker-guess-0123456789abcdef" * 2, "default")  # an attacker's guess at the secret
 WORLD = 3
 N = 600
 TIMEOUT = 4.0
@@ -117,8 +127,8 @@ def _aborted(endings: list[Ending], *needles: str) -> None:
         assert needle in reasons, f"{needle!r} not in {reasons!r}"
 
 
-def _attacker(uri: str) -> ObjectStore:
-    return ObjectStore(f"{uri}/default")
+def _attacker(uri: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
+    return ObjectStore(f"{uri}/default", storage_options)
 
 
 # -- malformed headers (checksum-only mode: the attacker computes valid MACs, so the parser is what stands) -------
@@ -230,21 +240,30 @@ RECORD_ATTACKS: dict[str, tuple[str, Callable[[], bytes]]] = {
     "garbage decision": (KEYS.decision, lambda: b"\x00garbage\xff"),
     "forged commit decision": (
         KEYS.decision,
-        lambda: _sealed(KEYS.decision, DecisionRecord(0, "commit", "", 0, TOKEN)),
+        lambda: _sealed(KEYS.decision, DecisionRecord(0, "commit", "", 0, TOKEN, world_size=WORLD)),
     ),
-    "forged abort decision": (KEYS.decision, lambda: _sealed(KEYS.decision, DecisionRecord(0, "abort", "x", 0, None))),
+    "forged abort decision": (
+        KEYS.decision,
+        lambda: _sealed(KEYS.decision, DecisionRecord(0, "abort", "x", 0, None, world_size=WORLD)),
+    ),
     "forged quorum": (
         KEYS.quorum,
-        lambda: _sealed(KEYS.quorum, QuorumRecord(0, TOKEN, (0, 1), {0: "a" * 32, 1: "b" * 32}, SPEC, 0)),
+        lambda: _sealed(
+            KEYS.quorum, QuorumRecord(0, TOKEN, (0, 1), {0: "a" * 32, 1: "b" * 32}, SPEC, 0, world_size=WORLD)
+        ),
     ),
     "forged member in a rank's slot": (
         KEYS.member(1),
-        lambda: _sealed(KEYS.member(1), MemberRecord(1, "a" * 32, SPEC, False, None)),
+        lambda: _sealed(KEYS.member(1), MemberRecord(1, "a" * 32, SPEC, False, None, world_size=WORLD)),
     ),
     "garbage member in a rank's slot": (KEYS.member(2), lambda: b"{}"),
     "sealed member claiming another rank": (
         KEYS.member(1),
-        lambda: _sealed(KEYS.member(1), MemberRecord(0, "a" * 32, SPEC, False, None), Authenticator(SECRET, "default")),
+        lambda: _sealed(
+            KEYS.member(1),
+            MemberRecord(0, "a" * 32, SPEC, False, None, world_size=WORLD),
+            Authenticator(SECRET, "default"),
+        ),
     ),
     "a record 2 MB long": (KEYS.decision, lambda: b" " * (2 << 20)),
 }
@@ -260,7 +279,7 @@ def test_forged_or_garbage_records_abort_the_round(attack: str, memory_uri: str,
 
 def test_forged_vote_aborts_the_vote(memory_uri: str, run_replicas: RunReplicas) -> None:
     key = KEYS.vote(1)
-    _attacker(memory_uri).put_create(key, _sealed(key, VoteRecord(1, True, "", TOKEN, "a" * 32)))
+    _attacker(memory_uri).put_create(key, _sealed(key, VoteRecord(1, True, "", TOKEN, "a" * 32, world_size=WORLD)))
     _aborted(_play(memory_uri, run_replicas, defer=True), key)
 
 
@@ -420,3 +439,584 @@ def test_garbage_decision_reads_as_abort_not_as_an_exception(memory_uri: str) ->
     ar.join(5)
     with pytest.raises(RoundAbortedError, match="corrupt or forged"):
         ar.allreduce(torch.ones(3))
+
+
+# -- exact validation of names, URIs and secrets ------------------------------------------------------------------
+@pytest.mark.parametrize("run_id", ["run\n", "run\r\n", "run ", "ru\nn", "run\x00"])
+def test_run_id_with_a_trailing_newline_or_control_character_is_refused(run_id: str, tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="run_id="):
+        ObjectStoreAllReduce(str(tmp_path), 0, 2, run_id=run_id, secret=SECRET)
+    assert list(tmp_path.iterdir()) == [], "nothing was created"
+
+
+def test_names_in_the_store_are_matched_exactly() -> None:
+    from crf_diloco.layout import parse_round_dir, parse_state_key
+    from crf_diloco.records import parse_rank
+
+    assert parse_round_dir("r00000001\n") is None
+    assert parse_round_dir("r0000000١") is None, "only ASCII digits name a round"
+    assert parse_state_key("r00000001.safetensors\n") is None
+    assert parse_rank("1\n", 4) is None
+    with pytest.raises(CorruptObjectError, match="incarnation"):
+        MemberRecord.parse({**MemberRecord(1, "a" * 32, SPEC, False, None, world_size=WORLD).to_json(), "incarnation": "a" * 32 + "\n"},
+                           "m", WORLD)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("uri", "problem"),
+    [("s3://", "names no bucket"), ("s3:///", "names no bucket"), ("memory://", "names no bucket"),
+     ("gs://", "names no bucket"), ("s3:bucket", "without '//'"), ("s3:/bucket", "without '//'"),
+     ("/data\n", "control characters"), (" /data", "padded"), ("", "empty"), ("S3 ://b", "malformed scheme")],
+)  # fmt: skip
+def test_uris_that_would_silently_become_local_folders_are_refused(
+    uri: str, problem: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=problem):
+        ObjectStoreAllReduce(uri, 0, 2, secret=SECRET)
+    with pytest.raises(ValueError, match=problem):
+        ObjectStore(uri)
+    assert list(tmp_path.iterdir()) == [], "no local folder named like the URI was created"
+
+
+@pytest.mark.parametrize(
+    ("secret", "problem"),
+    [(" " * 32, "only whitespace"), (" " * 40, "only whitespace"), ("\t\n" * 20, "only whitespace"),
+     ("é" * 16, "has 16 characters"), ("x" * 32, "only 1 distinct"), ("ab" * 32, "only 2 distinct"),
+     ("0123456" * 6, "only 7 distinct"), (" 0123456789abcdef0123456789abcdef", "whitespace at either end"),
+     ("0123456789abcdef0123456789abcdef\n", "whitespace at either end"), (b"\x00" * 32, "only 1 distinct")],
+)  # fmt: skip
+def test_weak_secrets_are_refused_saying_the_rule(secret: str | bytes, problem: str) -> None:
+    from crf_diloco.auth import SECRET_RULE, validate_secret
+
+    with pytest.raises(ValueError, match=problem) as info:
+        validate_secret(secret)
+    assert SECRET_RULE in str(info.value)
+    with pytest.raises(ValueError, match="Rule: at least 32 characters"):
+        ObjectStoreAllReduce("memory://x", 0, 2, secret=secret)
+
+
+def test_secret_length_is_counted_in_characters() -> None:
+    from crf_diloco.auth import validate_secret
+
+    wide = "é-ü-ß-ø-å-ñ-ç-ł-ž-ğ-" * 2  # 40 characters, 80 bytes
+    assert validate_secret(wide) == wide.encode()
+    with pytest.raises(ValueError, match="has 31 characters"):
+        validate_secret(wide[:31])
+
+
+# -- regular files only, nothing followed out of the prefix (a real local folder) ----------------------------------
+@pytest.mark.parametrize("key", [KEYS.member(1), KEYS.data(1), KEYS.quorum, KEYS.decision])
+def test_a_fifo_at_an_object_key_never_blocks_and_fails_the_round_by_its_deadline(
+    key: str, tmp_path: Any, run_replicas: RunReplicas
+) -> None:
+    import os
+
+    fifo = tmp_path / "default" / key
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    endings = _play(str(tmp_path), run_replicas)  # the old code blocked in open() past every deadline
+    _aborted(endings, key)
+    assert "FIFO" in " | ".join(e.reason for e in endings)
+
+
+def test_a_symlinked_round_directory_redirects_no_write_and_no_delete(tmp_path: Any, run_replicas: RunReplicas) -> None:
+    """``r00000000`` is a link to a folder outside the prefix (holding a sentinel), ``r00000001/members/2.json`` a
+    link to a file outside: round 0 aborts, nothing is written or deleted outside, and later rounds (which collect
+    round 0 and 1) commit the honest means."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_bytes(b"keep me")
+    (outside / "members").mkdir()
+    (outside / "members" / "0.json").write_bytes(b"keep me too")
+    target = tmp_path / "target.json"
+    target.write_bytes(b"not an object")
+    prefix = tmp_path / "store" / "default"
+    (prefix / "r00000001" / "members").mkdir(parents=True)
+    (prefix / "r00000000").symlink_to(outside, target_is_directory=True)
+    (prefix / "r00000001" / "members" / "2.json").symlink_to(target)
+    before = sorted(str(p.relative_to(tmp_path)) for p in outside.rglob("*"))
+
+    def replica(rank: int) -> list[str]:
+        ar = ObjectStoreAllReduce(str(tmp_path / "store"), rank, WORLD, secret=SECRET, timeout=TIMEOUT,
+                                  quorum_timeout=TIMEOUT, poll_interval=0.01, keep_rounds=1)  # fmt: skip
+        ar.join(0)
+        outcomes = []
+        for round_id in range(4):
+            t = _x(rank, round_id)
+            try:
+                ar.allreduce(t)
+                torch.testing.assert_close(t.double(), sum(_x(r, round_id).double() for r in range(WORLD)) / WORLD)
+                outcomes.append("commit")
+            except AllReduceError as exc:
+                outcomes.append(f"abort: {exc}")
+        ar.close()
+        return outcomes
+
+    results = run_replicas(replica, WORLD, timeout=120)
+    for outcomes in results:
+        assert outcomes[0].startswith("abort"), outcomes
+        assert "symbolic link" in outcomes[0], outcomes
+        assert outcomes[1].startswith("abort"), outcomes
+        assert "r00000001/members/2.json" in outcomes[1], outcomes
+        assert outcomes[2:] == ["commit", "commit"]
+    assert sorted(str(p.relative_to(tmp_path)) for p in outside.rglob("*")) == before, "nothing landed outside"
+    assert (outside / "sentinel").read_bytes() == b"keep me"
+    assert target.read_bytes() == b"not an object"
+
+
+# -- world_size bound into the layout and every record; only participants decide ---------------------------------
+def test_a_replica_with_another_world_size_fails_alone(tmp_path: Any, run_replicas: RunReplicas) -> None:
+    """Rank 1 restarts with world_size=3 (a misconfigured relaunch): it fails at once with a clear error and writes
+    nothing into any round; ranks 0 and 1 of the real run commit round 1 as if nothing happened."""
+    uri = str(tmp_path)
+
+    def honest(rank: int) -> list[float]:
+        ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=20, poll_interval=0.01)
+        seen = []
+        for round_id in range(2):
+            t = torch.full((4,), float(rank + round_id))
+            ar.allreduce(t)
+            seen.append(float(t[0]))
+            if round_id == 0:
+                stray = ObjectStoreAllReduce(uri, 1, 3, secret=SECRET, timeout=2) if rank == 0 else None
+                if stray is not None:
+                    with pytest.raises(AllReduceError, match=r"world_size=2; this replica was started with world_siz"):
+                        stray.allreduce(torch.full((4,), 100.0))
+                    with pytest.raises(AllReduceError, match="world_size=2"):
+                        stray.join(1)  # an explicit round checks the layout too
+        return seen
+
+    assert run_replicas(honest, 2) == [[0.5, 1.5], [0.5, 1.5]]
+    run = tmp_path / "default"
+    names = {p.name for p in (run / "r00000001" / "members").iterdir()}
+    assert names == {"0.json", "1.json"}
+    assert not (run / "r00000002").exists(), "the stray replica created no round"
+
+
+def test_a_record_written_for_another_world_size_is_refused_by_everyone(
+    memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """A decision sealed with the run's secret but for world_size=4 (``by=3``) is corrupt for every replica of the
+    3-replica run: all abort round 0 alike (the old code let a larger world read it as valid, a smaller one not)."""
+    key = KEYS.decision
+    record = DecisionRecord(0, "commit", "", 3, TOKEN, world_size=4)
+    _attacker(memory_uri).put_create(key, _sealed(key, record, Authenticator(SECRET, "default")))
+    _aborted(_play(memory_uri, run_replicas), "world_size=4", "corrupt or forged")
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["plain", "vote"])
+def test_observers_never_write_a_decision(defer: bool, memory_uri: str, run_replicas: RunReplicas) -> None:
+    """Ranks 0 and 1 participate but are slow to decide; rank 2 observes and has everything first. The decision is
+    written by a participant, and all three follow it (the old code let the observer write the commit)."""
+    slow = 1.0
+
+    def replica(rank: int) -> tuple[str, float]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 3, secret=SECRET, timeout=20, quorum_timeout=1.0,
+                                  poll_interval=0.01)  # fmt: skip
+        if rank < 2:
+            original = ar._write_decision
+
+            def slow_decision(*args: Any, **kwargs: Any) -> DecisionRecord:
+                time.sleep(slow)
+                return original(*args, **kwargs)
+
+            ar._write_decision = slow_decision  # type: ignore[method-assign]
+        t = torch.full((4,), float(rank))
+        ar.allreduce(t, participate=rank < 2, defer_decision=defer)
+        outcome = ("commit" if ar.vote(True) else "abort") if defer else "commit"
+        return outcome, float(t[0])
+
+    assert run_replicas(replica, 3) == [("commit", 0.5)] * 3
+    decision = ObjectStoreAllReduce(memory_uri, 0, 3, secret=SECRET).read_decision(0)
+    assert decision is not None
+    assert decision.by in (0, 1), f"the observer (rank 2) wrote the decision: {decision}"
+
+
+# -- finiteness in the payload's own dtype ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dtype", "value", "op"),
+    [(torch.float16, 30000.0, "sum"), (torch.float16, 65504.0, "sum"), (torch.float16, -22000.0, "sum")],
+)
+def test_a_reduction_that_overflows_the_payload_dtype_aborts(
+    dtype: torch.dtype, value: float, op: str, memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """Three float16 contributions of 30000 sum to 90000: finite in fp32, inf in float16. The round aborts on every
+    replica naming the dtype (the old code checked in fp32 and committed inf); inputs stay as they were."""
+
+    def replica(rank: int) -> str:
+        ar = ObjectStoreAllReduce(memory_uri, rank, WORLD, secret=SECRET, timeout=TIMEOUT, poll_interval=0.01)
+        mixed = [torch.ones(5), torch.full((N,), value, dtype=dtype)]
+        before = [t.clone() for t in mixed]
+        try:
+            ar.allreduce(mixed, op=op)  # type: ignore[arg-type]
+            return "commit"
+        except RoundAbortedError as exc:
+            assert all(torch.equal(a, b) for a, b in zip(mixed, before, strict=True)), "inputs unchanged"
+            return str(exc)
+        finally:
+            t = torch.full((N,), 1.0, dtype=dtype)
+            ar.allreduce(t, op=op)  # type: ignore[arg-type]
+            assert torch.equal(t, torch.full((N,), float(WORLD), dtype=dtype)), "the next round commits"
+
+    for outcome in run_replicas(replica, WORLD, timeout=60):
+        assert "overflow their dtype" in outcome, outcome
+        assert str(dtype).removeprefix("torch.") in outcome, outcome
+
+
+# -- names bound to the run's secret: an authenticated frontier, a collector that only deletes what is ours ------
+def _junk_rounds(store: ObjectStore) -> dict[str, bytes]:
+    """Far-future round directories planted by name: garbage, a forged member, a forged quorum, a garbage decision."""
+    forged_member = _sealed(RoundKeys(99999998).member(0),
+                            MemberRecord(0, "a" * 32, SPEC, False, None, world_size=2))  # fmt: skip
+    forged_quorum = _sealed(RoundKeys(99999997).quorum,
+                            QuorumRecord(99999997, TOKEN, (0,), {0: "a" * 32}, SPEC, 0, world_size=2))  # fmt: skip
+    junk = {
+        "r99999999/members/0.json": b"\x00junk",
+        "r99999999/data/0.safetensors": b"junk",
+        RoundKeys(99999998).member(0): forged_member,
+        RoundKeys(99999997).quorum: forged_quorum,
+        "r99999996/decision.json": b"[garbage",
+    }
+    for key, blob in junk.items():
+        store.put_create(key, blob)
+    return junk
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_a_planted_far_future_round_is_ignored_by_a_restarted_replica(
+    kind: str, tmp_path: Any, memory_uri: str, run_replicas: RunReplicas, request: pytest.FixtureRequest
+) -> None:
+    """Junk named ``r99999999/...`` (and forged or garbage records in other far-future rounds) before a restart: the
+    restarted replica joins the live round (the old code joined round 99999999 and both sides committed alone).
+    Collection (``keep_rounds=1``) leaves the decisions of old rounds and touches none of the junk."""
+    options: dict[str, Any] | None = None
+    if kind == "s3":
+        moto = request.getfixturevalue("moto_s3")
+        uri, options = f"s3://{moto['bucket']}/{uuid.uuid4().hex}", moto["storage_options"]
+    else:
+        uri = str(tmp_path) if kind == "local" else memory_uri
+    junk = _junk_rounds(_attacker(uri, options))
+    restarted = threading.Event()
+
+    def replica(rank: int) -> list[float]:
+        def make() -> ObjectStoreAllReduce:
+            return ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=20, poll_interval=0.01,
+                                        storage_options=options, keep_rounds=1)  # fmt: skip
+
+        ar = make()
+        seen = []
+        for round_id in range(4):
+            if round_id == 2 and rank == 1:  # rank 1 restarts: a fresh process finds its place from the store
+                ar.close()
+                ar = make()
+                assert ar.join() == 2
+                restarted.set()
+            t = torch.full((3,), float(10 * rank + round_id))
+            ar.allreduce(t)
+            seen.append(float(t[0]))
+        assert ar.last_round is not None
+        assert ar.last_round.participants == [0, 1]
+        ar.close()  # waits for the background collection
+        return seen
+
+    assert run_replicas(replica, 2, timeout=120) == [[5.0 + r for r in range(4)]] * 2
+    assert restarted.is_set()
+    store = _attacker(uri, options)
+    assert all(store.get(key) == blob for key, blob in junk.items()), "the planted objects are left alone"
+    assert ObjectStoreAllReduce(uri, 0, 2, secret=SECRET, storage_options=options).frontier() == 4
+    _only_tombstones(store, range(3))
+
+
+def test_junk_under_state_neither_evicts_nor_replaces_real_checkpoints(memory_uri: str) -> None:
+    """Three names like far-future states (garbage, a forged state, junk) are planted first. The collector keeps the
+    three newest *authentic* states and never deletes the planted ones; rank 1 restarts after round 3 and heals from
+    round 3's real state (the old code deleted every real checkpoint right after writing it)."""
+    store = _attacker(memory_uri)
+    forged = {"w": {"w": torch.full((4,), 1e6)}, "torchft": {"step": 9, "batches_committed": 9, "round": 99999998}}
+    planted = {
+        state_key(99999999): b"junk",
+        state_key(99999998): b"".join(dumps_state(forged, state_key(99999998), WRONG)),
+        state_key(99999997): b"\x00" * 64,
+    }
+    for key, blob in planted.items():
+        store.put_create(key, blob)
+    rank0_ready = threading.Event()
+    rank1_healed = threading.Event()
+    finals: dict[int, torch.Tensor] = {}
+    healed_from: list[int | None] = []
+
+    def manager_for(rank: int, w: dict[str, torch.Tensor]) -> MockManager:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=1.0)
+        manager = MockManager(ar, heal_timeout=20)
+        manager.register_state_dict_fn("w", lambda s: w.update(w=s["w"].clone()), lambda: {"w": w["w"].clone()})
+        return manager
+
+    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int) -> bool:
+        manager.start_quorum()
+        delta = torch.full((4,), float(rank + 1 + manager.current_step()))
+        manager.allreduce(delta).wait()
+        ok = manager.should_commit()
+        if ok:
+            w["w"] = w["w"] + delta
+        return ok
+
+    def rank0() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = manager_for(0, w)
+        for _ in range(5):  # rounds 0..4 with rank 1
+            assert sync(manager, w, 0)
+        manager.shutdown()
+        rank0_ready.set()
+        assert rank1_healed.wait(60)
+        for _ in range(2):
+            assert sync(manager, w, 0)
+        manager.shutdown()  # writes round 6's state
+        finals[0] = w["w"]
+
+    def rank1() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = manager_for(1, w)
+        for _ in range(5):
+            assert sync(manager, w, 1)
+        assert rank0_ready.wait(60)
+        w = {"w": torch.full((4,), -7.0)}  # restarted: fresh weights
+        manager = manager_for(1, w)
+        manager.start_quorum()
+        healed_from.append(manager._last_committed_round)
+        assert not manager._stale, "healed from the newest committed state, not an older fallback"
+        rank1_healed.set()
+        for _ in range(2):
+            sync(manager, w, 1)
+        finals[1] = w["w"]
+
+    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads)
+    assert healed_from == [4]
+    assert torch.equal(finals[0], finals[1])
+    names = set(store.list_names("state"))
+    assert {k.rsplit("/", 1)[-1] for k in planted} <= names
+    assert all(store.get(key) == blob for key, blob in planted.items()), "planted names are never deleted"
+    real = sorted(n for n in names if n < "r99999997")
+    assert real == [f"r{r:08d}.safetensors" for r in (4, 5, 6)], "the three newest real states are kept"
+
+
+# -- replicas that stall past keep_rounds or read a listing that lags ----------------------------------------------
+class LaggingMemoryFileSystem(MemoryFileSystem):
+    """``memory://`` whose listings omit the names in ``hidden`` (a listing that lags behind the newest rounds)."""
+
+    protocol = "crflag"
+    store: ClassVar[dict[str, Any]] = {}
+    pseudo_dirs: ClassVar[list[str]] = [""]
+    hidden: ClassVar[set[str]] = set()
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        return str(super()._strip_protocol(str(path).removeprefix("crflag://")))
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        entries = super().ls(path, detail=detail, **kwargs)
+
+        def name(e: Any) -> str:
+            return str(e["name"] if isinstance(e, dict) else e).rstrip("/").rsplit("/", 1)[-1]
+
+        return [e for e in entries if name(e) not in self.hidden]
+
+
+@pytest.fixture
+def lagging_uri() -> Iterator[str]:
+    register_implementation("crflag", LaggingMemoryFileSystem, clobber=True)
+    LaggingMemoryFileSystem.store.clear()
+    LaggingMemoryFileSystem.hidden.clear()
+    yield "crflag://lag"
+    LaggingMemoryFileSystem.store.clear()
+    LaggingMemoryFileSystem.hidden.clear()
+
+
+def _only_tombstones(store: ObjectStore, rounds: range) -> None:
+    for r in rounds:
+        assert store.list_names(RoundKeys(r).prefix) == ["decision.json"], f"round {r} was re-created"
+
+
+def test_a_listing_that_lags_three_rounds_behind_still_joins_the_live_round(
+    lagging_uri: str, run_replicas: RunReplicas
+) -> None:
+    """Rounds 0..5 commit (0..3 collected). Restarted replicas list the prefix three rounds late (round 2 looks like
+    the newest): they find the live round 6 through the decisions kept by collection, instead of re-creating a
+    collected round (the old code joined round 0 again)."""
+    both_done = threading.Barrier(2)
+
+    def replica(rank: int) -> tuple[int, float, int | None]:
+        def make() -> ObjectStoreAllReduce:
+            return ObjectStoreAllReduce(lagging_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=20,
+                                        poll_interval=0.01, keep_rounds=2)  # fmt: skip
+
+        ar = make()
+        for round_id in range(6):
+            ar.allreduce(torch.full((3,), float(rank + round_id)))
+        ar.close()  # waits for the background collection
+        both_done.wait()
+        if rank == 1:
+            LaggingMemoryFileSystem.hidden.update({"r00000003", "r00000004", "r00000005"})
+        both_done.wait()
+        ar = make()  # both restart, and list the prefix late
+        joined = ar.join()
+        t = torch.full((3,), float(rank + 6))
+        ar.allreduce(t)
+        return joined, float(t[0]), ar.latest_committed_round()
+
+    assert run_replicas(replica, 2, timeout=120) == [(6, 6.5, 6), (6, 6.5, 6)]
+    LaggingMemoryFileSystem.hidden.clear()
+    _only_tombstones(_attacker(lagging_uri), range(4))
+
+
+def test_a_replica_that_stalls_past_keep_rounds_between_rounds_catches_up(
+    memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """Rank 1 stalls after round 0 while rank 0 runs rounds 1..5 alone (rounds 0..3 are collected). Resumed, rank 1
+    fails its stale round loudly (`RoundDesyncError`) without writing into it, then joins the live round with rank
+    0. It never commits a collected round alone or returns another replica's result as its own."""
+    resumed = threading.Event()
+
+    def replica(rank: int) -> list[str]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5,
+                                  poll_interval=0.01, keep_rounds=2)  # fmt: skip
+        log = []
+        ar.allreduce(torch.full((3,), float(rank)))
+        if rank == 0:
+            for round_id in range(1, 6):
+                t = torch.full((3,), float(round_id))
+                ar.allreduce(t)
+                assert float(t[0]) == round_id, "alone: its own value"
+            while ar._pool is not None and ar._pool._work_queue.qsize():  # the collection of round 3 has run
+                time.sleep(0.01)
+            time.sleep(0.3)
+            resumed.set()
+            time.sleep(0.5)  # rank 1 announces first, so the quorum holds both
+        else:
+            assert resumed.wait(60)
+            t = torch.full((3,), 100.0)
+            with pytest.raises(RoundDesyncError, match="fell more than keep_rounds=2 rounds behind"):
+                ar.allreduce(t)
+            assert torch.equal(t, torch.full((3,), 100.0))
+            log.append(f"joins {ar.join()}")
+        t = torch.full((3,), float(rank + 6))
+        ar.allreduce(t)
+        log.append(f"round {ar.round_id - 1}: {float(t[0])}")
+        return log
+
+    assert run_replicas(replica, 2, timeout=120) == [["round 6: 6.5"], ["joins 6", "round 6: 6.5"]]
+    _only_tombstones(_attacker(memory_uri), range(4))
+
+
+def test_a_replica_that_stalls_mid_round_past_keep_rounds_never_writes_into_it(
+    memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """Rank 1 stalls between round 0's quorum and its payload write; rank 0 aborts round 0 at its deadline and runs
+    rounds 1..4 alone, collecting rounds 0..2. Resumed, rank 1 finds round 0 decided and writes nothing into it
+    (the old code wrote its payload into the collected round), then meets rank 0 in the live round."""
+    resumed = threading.Event()
+
+    def replica(rank: int) -> list[str]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=1.5, quorum_timeout=0.5,
+                                  poll_interval=0.01, keep_rounds=2)  # fmt: skip
+        log = []
+        if rank == 1:
+            original = ar._check_spec
+
+            def stall(*args: Any) -> None:
+                ar._check_spec = original  # type: ignore[method-assign]
+                assert resumed.wait(60)
+                original(*args)
+
+            ar._check_spec = stall  # type: ignore[method-assign]
+        t = torch.full((3,), float(rank))
+        with pytest.raises(RoundAbortedError):
+            ar.allreduce(t)
+        if rank == 0:
+            for round_id in range(1, 5):
+                ar.allreduce(torch.full((3,), float(round_id)))
+            time.sleep(0.5)  # the background collection of round 2
+            resumed.set()
+            time.sleep(0.5)
+        else:
+            log.append(f"joins {ar.join()}")
+        ar.timeout = 20
+        t = torch.full((3,), float(rank + 5))
+        ar.allreduce(t)
+        log.append(f"round {ar.round_id - 1}: {float(t[0])}")
+        return log
+
+    assert run_replicas(replica, 2, timeout=120) == [["round 5: 5.5"], ["joins 5", "round 5: 5.5"]]
+    _only_tombstones(_attacker(memory_uri), range(3))
+
+
+def test_a_mockmanager_replica_stalled_mid_sync_past_keep_rounds_heals_and_ends_bit_identical(memory_uri: str) -> None:
+    """Inside a DiLoCo-style sync, rank 1 stalls between ``allreduce`` and its round while rank 0 commits rounds 1..5
+    alone (round 1..3 collected). Resumed, rank 1's stale round fails loudly without writing (``should_commit`` is
+    False, the weights are untouched), its next ``start_quorum`` heals from round 5's state, and from then on both
+    replicas hold bit-identical weights."""
+    resumed, healed = threading.Event(), threading.Event()
+    finals: dict[int, torch.Tensor] = {}
+    errors: list[str] = []
+
+    def manager_for(rank: int, w: dict[str, torch.Tensor]) -> MockManager:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5,
+                                  poll_interval=0.01, keep_rounds=2)  # fmt: skip
+        manager = MockManager(ar, heal_timeout=20)
+        manager.register_state_dict_fn("w", lambda s: w.update(w=s["w"].clone()), lambda: {"w": w["w"].clone()})
+        return manager
+
+    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int, stall: bool = False) -> bool:
+        manager.start_quorum()
+        delta = torch.full((4,), float(rank + 1 + manager.current_step()))
+        work = manager.allreduce(delta)
+        if stall:
+            assert resumed.wait(60)
+        work.wait()
+        ok = manager.should_commit()
+        if ok:
+            w["w"] = w["w"] + delta
+        return ok
+
+    def rank0() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = manager_for(0, w)
+        for _ in range(6):  # round 0 with rank 1, rounds 1..5 alone
+            assert sync(manager, w, 0)
+        manager.shutdown()  # round 5's state
+        time.sleep(0.5)  # the background collection of round 3
+        resumed.set()
+        assert healed.wait(60)
+        for _ in range(2):
+            assert sync(manager, w, 0)
+        finals[0] = w["w"]
+
+    def rank1() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = manager_for(1, w)
+        assert sync(manager, w, 1)
+        before = w["w"].clone()
+        assert not sync(manager, w, 1, stall=True), "the stale round does not commit here"
+        assert torch.equal(w["w"], before)
+        errors.append(repr(manager.errored()))
+        manager.start_quorum()  # heals from round 5
+        healed.set()
+        assert manager.current_step() == 6
+        for _ in range(2):  # observes round 6, takes part in round 7
+            assert sync(manager, w, 1)
+        finals[1] = w["w"]
+
+    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads)
+    assert "fell more than keep_rounds=2 rounds behind" in errors[0]
+    assert torch.equal(finals[0], finals[1])
+    _only_tombstones(_attacker(memory_uri), range(1, 4))

@@ -137,9 +137,13 @@ def test_store_layout_and_garbage_collection(tmp_path: Any, run_replicas: RunRep
     run_replicas(replica, 2)
     run = tmp_path / "default"
     ar = ObjectStoreAllReduce(str(tmp_path), 0, 2)
-    assert json.loads((run / "LAYOUT").read_text())["body"] == {"layout": "crf-diloco", "version": 3}
+    assert json.loads((run / "LAYOUT").read_text())["body"] == {"layout": "crf-diloco", "version": 4, "world_size": 2}
     rounds = sorted(p.name for p in run.iterdir() if p.name.startswith("r"))
-    assert rounds == ["r00000003", "r00000004"], "rounds older than keep_rounds are collected"
+    assert rounds == [f"r{r:08d}" for r in range(5)]
+    for old in rounds[:3]:  # rounds older than keep_rounds are collected, their decision kept as a tombstone
+        assert [p.name for p in (run / old).iterdir()] == ["decision.json"], old
+        assert ar.read_decision(int(old[1:])) is not None
+    assert (run / "r00000003" / "quorum.json").exists()
     r4 = run / "r00000004"
     decision = ar.read_decision(4)
     assert decision is not None
@@ -364,10 +368,14 @@ def test_layout_version_mismatch_is_refused(tmp_path: Any) -> None:
     with pytest.raises(AllReduceError, match="new run_id"):
         ar.allreduce(torch.ones(2))
     other = tmp_path / "other"
-    sealed = ObjectStoreAllReduce(str(tmp_path), 0, 2, run_id="other", secret="s" * 32)
+    sealed = ObjectStoreAllReduce(str(tmp_path), 0, 2, run_id="other", secret="layout-secret-0123456789abcdefgh")
     sealed._write_record("LAYOUT", {"layout": "crf-diloco", "version": 99})
     assert (other / "LAYOUT").exists()
     with pytest.raises(AllReduceError, match="holds a crf-diloco layout"):
-        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="s" * 32).allreduce(torch.ones(2))
+        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="layout-secret-0123456789abcdefgh").allreduce(
+            torch.ones(2)
+        )
     with pytest.raises(AllReduceError, match="another run or secret"):
-        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="t" * 32).allreduce(torch.ones(2))
+        ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="other", secret="wrong-secret-0123456789abcdefghi").allreduce(
+            torch.ones(2)
+        )

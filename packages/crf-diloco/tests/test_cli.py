@@ -85,7 +85,7 @@ def test_cli_hands_every_replica_the_same_fresh_secret(tmp_path: Path) -> None:
         assert not any(secret in line for line in launcher_lines), "the launcher never prints the secret"
         seen.append(secret)
     assert seen[0] != seen[1], "a fresh secret per launch"
-    given = "g" * 40
+    given = "given-secret-0123456789abcdefghijkl"
     proc = run("--env", f"CRF_DILOCO_SECRET={given}")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(rank_lines(proc.stdout, 1)[0])["env"]["CRF_DILOCO_SECRET"] == given

@@ -15,7 +15,9 @@ from crf_diloco.auth import Authenticator, launch_secret, new_secret, validate_s
 from crf_diloco.records import DecisionRecord, MemberRecord, PayloadSpec, QuorumRecord, VoteRecord, parse_rank
 from crf_diloco.store import ObjectStore
 
-SECRET = "x" * 32
+SECRET = "records-secret-0123456789abcdefg"
+E40 = "launch-secret-e-0123456789abcdefghijklmn"
+F40 = "launch-secret-f-0123456789abcdefghijklmn"
 
 
 def test_memory_create_only_has_exactly_one_winner_per_key(memory_uri: str) -> None:
@@ -81,7 +83,7 @@ def test_parse_rank_accepts_plain_decimal_ranks_only(text: str, world_size: int,
 
 def _member(**overrides: Any) -> dict[str, Any]:
     spec = PayloadSpec(10, "fp32", "avg", None, False)
-    return {**MemberRecord(1, "a" * 32, spec, False, None).to_json(), **overrides}
+    return {**MemberRecord(1, "a" * 32, spec, False, None, world_size=4).to_json(), **overrides}
 
 
 @pytest.mark.parametrize(
@@ -95,9 +97,9 @@ def _member(**overrides: Any) -> dict[str, Any]:
         _member(spec=None),  # neither spec nor veto
         _member(veto="no"),  # both
         _member(observer="no"),
-        _member(spec={"numel": 0, "codec": "fp32", "op": "avg", "name": None, "vote": False}),
-        _member(spec={"numel": 10, "codec": "fp8", "op": "avg", "name": None, "vote": False}),
-        _member(spec={"numel": 10, "codec": "fp32", "op": "max", "name": None, "vote": False}),
+        _member(spec={"numel": 0, "codec": "fp32", "op": "avg", "name": None, "vote": False, "dtypes": []}),
+        _member(spec={"numel": 10, "codec": "fp8", "op": "avg", "name": None, "vote": False, "dtypes": []}),
+        _member(spec={"numel": 10, "codec": "fp32", "op": "max", "name": None, "vote": False, "dtypes": []}),
         _member(spec=[1, 2]),
         _member(extra=1),
         {"rank": 1},
@@ -111,7 +113,7 @@ def test_member_records_are_parsed_strictly(obj: Any) -> None:
 
 def test_records_round_trip_and_reject_inconsistent_quorums() -> None:
     spec = PayloadSpec(10, "int8", "sum", "grads", True)
-    quorum = QuorumRecord(3, "b" * 32, (0, 2), {0: "a" * 32, 2: "c" * 32}, spec, 2, {1: "mismatch"})
+    quorum = QuorumRecord(3, "b" * 32, (0, 2), {0: "a" * 32, 2: "c" * 32}, spec, 2, {1: "mismatch"}, world_size=3)
     assert QuorumRecord.parse(quorum.to_json(), "q", 3, 3) == quorum
     assert quorum.plan.n_shards == 2
     for bad in [
@@ -125,9 +127,9 @@ def test_records_round_trip_and_reject_inconsistent_quorums() -> None:
     ]:
         with pytest.raises(CorruptObjectError, match=r"^q: "):
             QuorumRecord.parse(bad, "q", 3, 3)
-    vote = VoteRecord(1, False, "nan", "b" * 32, "a" * 32)
+    vote = VoteRecord(1, False, "nan", "b" * 32, "a" * 32, world_size=2)
     assert VoteRecord.parse(vote.to_json(), "v", 2) == vote
-    decision = DecisionRecord(3, "commit", "", 0, "b" * 32)
+    decision = DecisionRecord(3, "commit", "", 0, "b" * 32, world_size=2)
     assert DecisionRecord.parse(decision.to_json(), "d", 2, 3) == decision
     with pytest.raises(CorruptObjectError, match="names its round token"):
         DecisionRecord.parse({**decision.to_json(), "token": None}, "d", 2, 3)
@@ -142,7 +144,7 @@ def test_sealed_records_are_bound_to_key_run_and_secret() -> None:
     for key, other in [
         ("r2/decision.json", auth),
         ("r1/decision.json", Authenticator(SECRET, "run2")),
-        ("r1/decision.json", Authenticator("y" * 32, "run")),
+        ("r1/decision.json", Authenticator("another-secret-0123456789abcdefg", "run")),
         ("r1/decision.json", Authenticator(None, "run")),
     ]:
         with pytest.raises(CorruptObjectError, match=r"^r[12]/decision\.json: failed"):
@@ -167,10 +169,10 @@ def test_secret_validation_and_launch_secret_precedence(monkeypatch: pytest.Monk
     monkeypatch.delenv("CRF_DILOCO_SECRET", raising=False)
     fresh = launch_secret()
     assert len(fresh) == 64
-    assert launch_secret({"CRF_DILOCO_SECRET": "e" * 40}) == "e" * 40
-    monkeypatch.setenv("CRF_DILOCO_SECRET", "f" * 40)
-    assert launch_secret() == "f" * 40, "a launcher that has a secret reuses it (relaunching into a run)"
-    assert launch_secret({"CRF_DILOCO_SECRET": "e" * 40}) == "e" * 40
+    assert launch_secret({"CRF_DILOCO_SECRET": E40}) == E40
+    monkeypatch.setenv("CRF_DILOCO_SECRET", F40)
+    assert launch_secret() == F40, "a launcher that has a secret reuses it (relaunching into a run)"
+    assert launch_secret({"CRF_DILOCO_SECRET": E40}) == E40
     with pytest.raises(ValueError, match="at least 32"):
         launch_secret({"CRF_DILOCO_SECRET": "weak"})
 
@@ -179,9 +181,9 @@ def test_from_env_reads_the_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: An
     monkeypatch.setenv("CRF_DILOCO_URI", str(tmp_path))
     monkeypatch.setenv("CRF_DILOCO_RANK", "0")
     monkeypatch.setenv("CRF_DILOCO_WORLD_SIZE", "2")
-    monkeypatch.setenv("CRF_DILOCO_SECRET", "s" * 64)
+    monkeypatch.setenv("CRF_DILOCO_SECRET", "from-env-secret-0123456789abcdef" * 2)
     assert ObjectStoreAllReduce.from_env().auth.authenticated
-    assert "s" * 64 not in repr(ObjectStoreAllReduce.from_env().auth)
+    assert "from-env-secret-0123456789abcdef" * 2 not in repr(ObjectStoreAllReduce.from_env().auth)
     monkeypatch.delenv("CRF_DILOCO_SECRET")
     assert not ObjectStoreAllReduce.from_env().auth.authenticated
 

@@ -24,7 +24,7 @@ from crf_diloco.wire import (
     read_reduced,
 )
 
-AUTH = Authenticator("k" * 32, "run")
+AUTH = Authenticator("wire-secret-0123456789abcdefghij", "run")
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
@@ -73,7 +73,11 @@ def test_objects_are_bound_to_their_key_run_and_secret(memory_uri: str) -> None:
     store.put_create("a", blob)
     store.put_create("b", blob)  # the same bytes under another key (a replay)
     read_header(store, "a", AUTH)
-    for key, auth in [("b", AUTH), ("a", Authenticator("k" * 32, "other-run")), ("a", Authenticator("j" * 32, "run"))]:
+    for key, auth in [
+        ("b", AUTH),
+        ("a", Authenticator("wire-secret-0123456789abcdefghij", "other-run")),
+        ("a", Authenticator("other-secret-0123456789abcdefghi", "run")),
+    ]:
         with pytest.raises(CorruptObjectError, match="failed authentication"):
             read_header(store, key, auth)
     with pytest.raises(CorruptObjectError, match="failed its checksum"):

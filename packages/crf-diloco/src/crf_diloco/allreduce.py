@@ -16,14 +16,16 @@ Protocol of one round ``r`` (keys in :mod:`crf_diloco.layout`, records in :mod:`
    background while it reads the others' slices).
 4. **Reduce-scatter.** The owner of shard ``k`` (``participants[k]``) range-reads slice ``k`` of every payload,
    verifies its tag, sums in fp32 in participant order (divides by the number of participants for ``avg``),
-   checks that the sum is finite (naming the ranks that sent NaN/inf) and creates ``reduced/{k}.safetensors``.
+   checks that the sum is finite (naming the ranks that sent NaN/inf), and finite again after the codec in the
+   payload's own dtypes (a float16 sum can overflow), and creates ``reduced/{k}.safetensors``.
    If a shard is still missing ``straggler_grace`` seconds into the data phase, any replica computes and creates
    it; the inputs and summation order are fixed by the quorum, so duplicates are bit-identical.
 5. **All-gather.** Everyone reads and verifies the reduced shards.
 6. **Decide.** A replica that holds every verified shard creates ``decision.json`` with ``commit``; a replica
    whose deadline passes, or that finds a corrupt, forged or stale object, creates it with ``abort``. First writer
    wins and every replica follows what it reads there; a decision that fails authentication counts as ``abort``
-   for everyone. Inputs are only written after a commit.
+   for everyone. Only participants (before the quorum: replicas that announced to take part) write decisions;
+   observers wait for them. Inputs are only written after a commit.
 7. **Vote** (rounds run with ``defer_decision=True``, e.g. by ``MockManager``). Step 6 never writes ``commit``;
    :meth:`ObjectStoreAllReduce.vote` does: each participant creates ``votes/{rank}.json``, and the first replica
    able to decide creates ``decision.json``: ``commit`` once every participant voted true, ``abort`` as soon as
@@ -61,7 +63,15 @@ from crf_diloco.errors import (
     RoundTimeoutError,
 )
 from crf_diloco.layout import LAYOUT_VERSION, RoundKeys, parse_round_dir, validate_name
-from crf_diloco.payload import as_tensor_list, codec_of, count_nonfinite, flatten, write_back
+from crf_diloco.payload import (
+    as_tensor_list,
+    codec_of,
+    count_nonfinite,
+    dtype_runs,
+    flatten,
+    nonfinite_as_dtypes,
+    write_back,
+)
 from crf_diloco.records import (
     DecisionRecord,
     MemberRecord,
@@ -71,7 +81,7 @@ from crf_diloco.records import (
     ranks_named,
 )
 from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_SECRET, ENV_URI, ENV_WORLD_SIZE
-from crf_diloco.store import ObjectStore
+from crf_diloco.store import ObjectStore, validate_uri
 from crf_diloco.strictjson import parse_json_object
 from crf_diloco.wire import (
     Header,
@@ -95,6 +105,8 @@ R = TypeVar("R")
 Compression = Literal["bf16", "int8"]
 _UNSET: Any = object()
 _MAX_RECORD = 1 << 20
+#: what collection deletes from a round (its decision stays as the tombstone)
+_ROUND_PARTS = ("quorum.json", "members", "data", "reduced", "votes")  # quorum first: then a check sees it gone
 Pending = list["concurrent.futures.Future[None]"]
 
 
@@ -186,7 +198,7 @@ class ObjectStoreAllReduce:
             raise ValueError(f"min_participants must be in [1, world_size={world_size}], got {min_participants!r}")
         if keep_rounds < 1:
             raise ValueError(f"keep_rounds must be >= 1, got {keep_rounds!r}")
-        self.uri = uri
+        self.uri = validate_uri(uri)
         self.rank = rank
         self.world_size = world_size
         self.run_id = validate_name(run_id, "run_id")
@@ -320,7 +332,7 @@ class ObjectStoreAllReduce:
             round_id = self.round_id
             self.abort(veto)
             raise RoundAbortedError(f"round {round_id} aborted: {veto} (this replica vetoed it)")
-        spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision)
+        spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision, dtype_runs(tensor_list))
         round_id = self.round_id
         try:
             result = self._run_round(round_id, flat, spec, participate)
@@ -364,7 +376,7 @@ class ObjectStoreAllReduce:
             self._finish(keys, None, "abort", str(exc), participated=False)
         except (_Abort, AllReduceError) as exc:
             # membership settled with our veto (or local trouble): abort the round for everyone
-            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", None)
+            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", None, decide=True)
             self._finish(keys, None, "abort", decision.reason, participated=False)
         finally:
             self.round_id = round_id + 1
@@ -407,7 +419,12 @@ class ObjectStoreAllReduce:
                 self._bad_decisions.add(round_id)
                 logger.warning("rank %d: %s; round %d counts as aborted", self.rank, exc, round_id)
             return DecisionRecord(
-                round_id, "abort", f"the decision object is corrupt or forged: {exc}", self.rank, None
+                round_id,
+                "abort",
+                f"the decision object is corrupt or forged: {exc}",
+                self.rank,
+                None,
+                world_size=self.world_size,
             )
 
     def read_quorum(self, round_id: int) -> QuorumRecord | None:
@@ -416,24 +433,76 @@ class ObjectStoreAllReduce:
         return self._read_record(key, lambda o, k: QuorumRecord.parse(o, k, self.world_size, round_id))
 
     def latest_committed_round(self) -> int | None:
-        """Highest round id whose authentic decision in the store is ``commit`` (among retained rounds)."""
-        for r in sorted(self._round_ids(), reverse=True):
+        """Highest round id whose authentic decision in the store is ``commit``: among the listed rounds and those a
+        lagging listing does not show yet (found by reading the decisions after the newest listed round)."""
+        listed = self._round_ids()
+        after = listed[-1] + 1 if listed else 0
+        for r in sorted({*listed, *range(after, self._decided_from(after))}, reverse=True):
             decision = self.read_decision(r)
             if decision is not None and decision.committed:
                 return r
         return None
 
     def frontier(self) -> int:
-        """The round replicas are in now: the newest round if undecided, else the one after it (never less than
-        this instance's ``round_id``)."""
+        """The round replicas are in now (never less than this instance's ``round_id``), from authenticated objects
+        only: the newest round holding one (a decision, the quorum or a member record sealed with the run's secret)
+        if it is undecided, else the one after it; then past every round whose authentic decision exists, which a
+        listing that lags behind does not show. Directories planted by name (``r99999999/...``) are ignored."""
         self._check_layout()
-        rounds = self._round_ids()
         frontier = self.round_id
-        if rounds:
-            last = rounds[-1]
-            decided = self.store.exists(RoundKeys(last).decision)
-            frontier = max(frontier, last + 1 if decided else last)
-        return frontier
+        for r in sorted(self._round_ids(), reverse=True):
+            if r < frontier:
+                break
+            if self._holds_our_objects(r):
+                frontier = r + 1 if self.store.exists(RoundKeys(r).decision) else r
+                break
+        return self._decided_from(frontier)
+
+    def _authentic_decision(self, round_id: int) -> DecisionRecord | None:
+        """The decision of ``round_id`` if it exists and is authentic (a forged or garbage one is ``None`` here)."""
+        key = RoundKeys(round_id).decision
+        with contextlib.suppress(CorruptObjectError):
+            return self._read_record(key, lambda o, k: DecisionRecord.parse(o, k, self.world_size, round_id))
+        return None
+
+    def _decided_from(self, round_id: int) -> int:
+        """The first round from ``round_id`` on without an authentic decision (decisions outlive collection)."""
+        while self._authentic_decision(round_id) is not None:
+            round_id += 1
+        return round_id
+
+    def _holds_our_objects(self, round_id: int) -> bool:
+        """Whether the directory of ``round_id`` holds an object authenticated for this run."""
+        keys = RoundKeys(round_id)
+        if self._authentic_decision(round_id) is not None:
+            return True
+        try:
+            if self.read_quorum(round_id) is not None:
+                return True
+            for rank in ranks_named(self.store.list_names(keys.members_dir), self.world_size):
+                with contextlib.suppress(CorruptObjectError):
+                    if self._read_member(keys, rank) is not None:
+                        return True
+        except CorruptObjectError:
+            pass
+        return False
+
+    def _collect(self, round_id: int) -> None:
+        """(Background) collect a round ``keep_rounds`` behind this replica's decided one: delete its members, quorum,
+        data, reduced shards and votes, and keep its decision as a tombstone (writing ``abort`` if it has none), so
+        that a replica that stalled or reads a lagging listing finds the round decided and never re-creates it.
+        Nothing else under the prefix is touched."""
+        keys = RoundKeys(round_id)
+        names = self.store.list_names(keys.prefix)
+        if not names:
+            return
+        if "decision.json" not in names:
+            reason = f"collected by rank {self.rank} after round {round_id + self.keep_rounds} was decided"
+            record = DecisionRecord(round_id, "abort", reason, self.rank, None, world_size=self.world_size)
+            self._write_record(keys.decision, record)
+        for name in _ROUND_PARTS:
+            if name in names:
+                self.store.remove_tree(f"{keys.prefix}/{name}")
 
     def join(self, round_id: int | None = None) -> int:
         """Set the next round to ``round_id`` (default: the :meth:`frontier`) and return it.
@@ -444,6 +513,7 @@ class ObjectStoreAllReduce:
         if round_id is not None and round_id < 0:
             raise ValueError(f"round_id must be >= 0, got {round_id}")
         self.preflight()
+        self._check_layout()  # also for an explicit round: a replica of another world size fails here, alone
         self.round_id = self.frontier() if round_id is None else round_id
         self._joined = True
         return self.round_id
@@ -459,7 +529,7 @@ class ObjectStoreAllReduce:
     def _check_layout(self) -> None:
         if self._layout_ok:
             return
-        marker = {"layout": "crf-diloco", "version": LAYOUT_VERSION}
+        marker = {"layout": "crf-diloco", "version": LAYOUT_VERSION, "world_size": self.world_size}
         if not self._write_record("LAYOUT", marker):
             try:
                 found = self._read_record("LAYOUT", lambda o, k: o)
@@ -468,6 +538,13 @@ class ObjectStoreAllReduce:
                     f"{self.store.uri!r} belongs to another run or secret, or to an older crf-diloco ({exc}). "
                     "Use a new run_id, or this run's CRF_DILOCO_SECRET."
                 ) from None
+            theirs = found.get("world_size") if isinstance(found, dict) else None
+            if found is not None and found != marker and {**found, "world_size": self.world_size} == marker:
+                raise AllReduceError(
+                    f"{self.store.uri!r} is a run of world_size={theirs!r}; this replica was started with "
+                    f"world_size={self.world_size}. Launch every replica of a run with the same world size (or use a "
+                    "new run_id)"
+                )
             if found != marker:
                 raise AllReduceError(
                     f"{self.store.uri!r} holds a crf-diloco layout {found!r}; this version writes layout "
@@ -513,11 +590,20 @@ class ObjectStoreAllReduce:
             raise _Abort(f"writing this replica's object failed: {_why(errors[0])}")
 
     # -- decisions --------------------------------------------------------------------------------
-    def _write_decision(self, keys: RoundKeys, outcome: str, reason: str, token: str | None) -> DecisionRecord:
-        """Create the round's decision (first writer wins) and return the one that stands."""
-        record = DecisionRecord(keys.round_id, outcome, reason, self.rank, token)  # type: ignore[arg-type]
-        with contextlib.suppress(AllReduceError):  # the read below decides whose decision stands
-            self._write_record(keys.decision, record)
+    def _write_decision(
+        self, keys: RoundKeys, outcome: str, reason: str, token: str | None, *, decide: bool
+    ) -> DecisionRecord:
+        """Create the round's decision (first writer wins) if this replica ``decide``s (a participant of the round,
+        or a non-observing announcer before its quorum), and return the one that stands. Observers never write one:
+        they wait for the participants' (`RoundTimeoutError` after ``timeout``)."""
+        if decide:
+            record = DecisionRecord(keys.round_id, outcome, reason, self.rank, token, world_size=self.world_size)  # type: ignore[arg-type]
+            with contextlib.suppress(AllReduceError):  # the read below decides whose decision stands
+                self._write_record(keys.decision, record)
+        return self._await_decision(keys)
+
+    def _await_decision(self, keys: RoundKeys) -> DecisionRecord:
+        """The round's decision, polled for up to ``timeout`` seconds (`RoundTimeoutError` after that)."""
         deadline = time.monotonic() + self.timeout
         attempt = 0
         while True:
@@ -528,14 +614,47 @@ class ObjectStoreAllReduce:
             if found is not None:
                 return found
             if time.monotonic() > deadline:
-                raise RoundTimeoutError(f"round {keys.round_id}: could neither write nor read its decision object")
+                raise RoundTimeoutError(
+                    f"round {keys.round_id}: no decision object could be read within {self.timeout:.1f}s"
+                )
             self._sleep(attempt)
             attempt += 1
 
+    def _may_decide(self, quorum: QuorumRecord | None, participate: bool) -> bool:
+        """Whether this replica may write the round's decision: its rank is a participant of the quorum (also a
+        restarted incarnation, which aborts a round its previous life cannot finish), or, before a quorum exists, it
+        announced to participate. Observers never decide."""
+        return participate and (quorum is None or self.rank in quorum.participants)
+
     def _check_decided(self, keys: RoundKeys) -> None:
+        """Raise if the round ended under this replica: `RoundAbortedError` if it aborted, `RoundDesyncError` if it
+        committed and has been collected since (its quorum is gone: this replica stalled past ``keep_rounds``)."""
         decision = self.read_decision(keys.round_id)
-        if decision is not None and not decision.committed:
+        if decision is None:
+            return
+        if not decision.committed:
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
+        if self.read_quorum(keys.round_id) is None:
+            raise self._fell_behind(keys, decision)
+
+    def _check_not_collected(self, keys: RoundKeys) -> None:
+        """Before a write into a round: raise if the round was collected under this replica (its decision is kept,
+        its quorum gone), so that nothing re-creates it. A decided round that is not collected yet may still get the
+        write (collection deletes it later)."""
+        decision = self.read_decision(keys.round_id)
+        if decision is not None and self.read_quorum(keys.round_id) is None:
+            raise self._fell_behind(keys, decision)
+
+    def _fell_behind(self, keys: RoundKeys, decision: DecisionRecord) -> RoundDesyncError | RoundAbortedError:
+        """This replica reached a round that was decided and collected: rejoin at the frontier next time."""
+        self._joined = False
+        behind = (
+            f"rank {self.rank} fell more than keep_rounds={self.keep_rounds} rounds behind the run. It joins the live "
+            "round next (MockManager heals it first)"
+        )
+        if not decision.committed:
+            return RoundAbortedError(f"round {keys.round_id} aborted and has been collected: {behind}")
+        return RoundDesyncError(f"round {keys.round_id} committed and has been collected: {behind}")
 
     @staticmethod
     def _stands(decision: DecisionRecord, quorum: QuorumRecord | None) -> bool:
@@ -548,11 +667,15 @@ class ObjectStoreAllReduce:
         quorum: QuorumRecord | None = None
         try:
             decision = self.read_decision(round_id)
-            if decision is not None:
+            if decision is not None:  # decided before this replica came
                 if not decision.committed:
+                    if not self.store.list_names(keys.members_dir):  # and collected: rejoin at the frontier next
+                        self._joined = False
                     raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}")
                 quorum = self.read_quorum(round_id)
-                if quorum is None or not self._stands(decision, quorum):
+                if quorum is None:
+                    raise self._fell_behind(keys, decision)
+                if not self._stands(decision, quorum):
                     raise CorruptObjectError(f"{keys.decision}: commits a round attempt without a matching quorum")
                 return self._follow_commit(keys, quorum, spec, decision)
             stale_self = self._announce(keys, spec, participate)
@@ -566,7 +689,8 @@ class ObjectStoreAllReduce:
         except (_Abort, AllReduceError) as exc:
             # local trouble (deadline, corrupt/forged/stale object, store errors): abort, follow the decision
             token = quorum.token if quorum else None
-            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", token)
+            decide = self._may_decide(quorum, participate)
+            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", token, decide=decide)
             if self._stands(decision, quorum):
                 assert quorum is not None
                 return self._follow_commit(keys, quorum, spec, decision)
@@ -579,7 +703,7 @@ class ObjectStoreAllReduce:
     def _announce(self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
         """Create this replica's member record. Returns True if a record of another incarnation of this rank is
         already there (a stale round, or our own previous life)."""
-        record = MemberRecord(self.rank, self.incarnation, spec, not participate, veto)
+        record = MemberRecord(self.rank, self.incarnation, spec, not participate, veto, world_size=self.world_size)
         if self._write_record(keys.member(self.rank), record):
             return False
         existing = self._read_member(keys, self.rank)
@@ -645,6 +769,7 @@ class ObjectStoreAllReduce:
             spec,
             self.rank,
             rejected,
+            world_size=self.world_size,
         )
         self._write_record(keys.quorum, record)
 
@@ -670,6 +795,7 @@ class ObjectStoreAllReduce:
         done: set[int] = set()
         try:
             if mine:
+                self._check_not_collected(keys)  # never re-create a round collected meanwhile
                 key = keys.data(self.rank)
                 meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
                 pending.append(
@@ -686,7 +812,7 @@ class ObjectStoreAllReduce:
             self._open.append(_OpenRound(keys, quorum, mine))
             self.last_round = RoundInfo(keys.round_id, "pending", list(participants), mine)
             return result
-        decision = self._write_decision(keys, "commit", "", token)
+        decision = self._write_decision(keys, "commit", "", token, decide=mine)
         if not self._stands(decision, quorum):
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
         self._finish(keys, quorum, "commit", "")
@@ -740,6 +866,10 @@ class ObjectStoreAllReduce:
         key = keys.reduced(shard)
         meta = {"token": token, "round": str(keys.round_id), "contributors": json.dumps(list(participants))}
         blob, decoded = encode_reduced(key, self.auth, acc, plan, shard, meta)
+        overflow = nonfinite_as_dtypes(decoded, lo, quorum.spec.dtypes)
+        if overflow:
+            what = ", ".join(f"{n} in {dtype}" for dtype, n in sorted(overflow.items()))
+            raise _Abort(f"shard {shard} of round {keys.round_id}: the reduced values overflow their dtype ({what})")
         if decoded.data_ptr() != acc.data_ptr():
             acc.copy_(decoded)
 
@@ -871,12 +1001,17 @@ class ObjectStoreAllReduce:
         keys, quorum = open_round.keys, open_round.quorum
         try:
             if open_round.participated:
-                vote = VoteRecord(self.rank, ok, reason, quorum.token, self.incarnation)
+                self._check_not_collected(keys)  # a vote into a collected round would re-create it
+                vote = VoteRecord(self.rank, ok, reason, quorum.token, self.incarnation, world_size=self.world_size)
                 self._write_record(keys.vote(self.rank), vote)
-            decision = self._await_votes(keys, quorum, ok, reason)
+            if open_round.participated:
+                decision = self._await_votes(keys, quorum, ok, reason)
+            else:  # observers do not vote and never decide
+                decision = self._await_decision(keys)
         except (_Abort, AllReduceError) as exc:
             try:
-                decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", quorum.token)
+                why = f"rank {self.rank}: {_why(exc)}"
+                decision = self._write_decision(keys, "abort", why, quorum.token, decide=open_round.participated)
             except AllReduceError as final:
                 logger.warning("round %d: could not settle its vote: %s", keys.round_id, final)
                 self._finish(keys, quorum, "abort", str(final), participated=open_round.participated)
@@ -887,10 +1022,10 @@ class ObjectStoreAllReduce:
         return committed
 
     def _await_votes(self, keys: RoundKeys, quorum: QuorumRecord, ok: bool, reason: str) -> DecisionRecord:
-        """Poll the round's votes until a decision stands (writing it when this replica can decide)."""
+        """(A participant) poll the round's votes until a decision stands, writing it once the votes settle it."""
         token, participants = quorum.token, quorum.participants
         if not ok:
-            return self._write_decision(keys, "abort", f"rank {self.rank} voted to abort: {reason}", token)
+            return self._write_decision(keys, "abort", f"rank {self.rank} voted to abort: {reason}", token, decide=True)
         deadline = time.monotonic() + self.timeout
         votes: dict[int, VoteRecord] = {}
         attempt = 0
@@ -909,14 +1044,13 @@ class ObjectStoreAllReduce:
             against = sorted(r for r, v in votes.items() if not v.ok)
             if against:
                 why = "; ".join(f"rank {r} voted to abort: {votes[r].reason}" for r in against)
-                return self._write_decision(keys, "abort", why, token)
+                return self._write_decision(keys, "abort", why, token, decide=True)
             if len(votes) == len(participants):
-                return self._write_decision(keys, "commit", "", token)
+                return self._write_decision(keys, "commit", "", token, decide=True)
             if time.monotonic() > deadline:
                 missing = sorted(set(participants) - set(votes))
-                return self._write_decision(
-                    keys, "abort", f"votes of ranks {missing} did not appear within {self.timeout:.1f}s", token
-                )
+                why = f"votes of ranks {missing} did not appear within {self.timeout:.1f}s"
+                return self._write_decision(keys, "abort", why, token, decide=True)
             self._sleep(attempt)
             attempt += 1
 
@@ -942,7 +1076,7 @@ class ObjectStoreAllReduce:
         elif self._expected is not None:  # aborted before its quorum: who was expected still is
             self._expected |= announced
         if participants and self.rank == min(participants) and keys.round_id >= self.keep_rounds:
-            self._submit(self.store.remove_tree, RoundKeys(keys.round_id - self.keep_rounds).prefix)
+            self._submit(self._collect, keys.round_id - self.keep_rounds)
 
 
 def _why(exc: BaseException | None) -> str:

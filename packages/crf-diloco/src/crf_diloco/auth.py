@@ -29,11 +29,25 @@ from collections.abc import Iterable, Mapping
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.replica_env import ENV_SECRET
 
-__all__ = ["MIN_SECRET_CHARS", "Authenticator", "default_tag_alg", "launch_secret", "new_secret", "validate_secret"]
+__all__ = [
+    "MIN_DISTINCT_CHARS",
+    "MIN_SECRET_CHARS",
+    "SECRET_RULE",
+    "Authenticator",
+    "default_tag_alg",
+    "launch_secret",
+    "new_secret",
+    "validate_secret",
+]
 
 logger = logging.getLogger(__name__)
 
 MIN_SECRET_CHARS = 32
+MIN_DISTINCT_CHARS = 8
+SECRET_RULE = (
+    f"at least {MIN_SECRET_CHARS} characters, no whitespace at either end, at least {MIN_DISTINCT_CHARS} distinct "
+    "characters"
+)
 _DOMAIN = b"crf-diloco/auth/1"
 _RECORD_PREFIX = b'{"mac":"'
 _RECORD_MIDDLE = b'","body":'
@@ -48,17 +62,28 @@ def new_secret() -> str:
 
 
 def validate_secret(secret: str | bytes) -> bytes:
-    """The secret as key bytes, if it has at least `MIN_SECRET_CHARS` characters; else ``ValueError``."""
-    if isinstance(secret, str):
-        secret = secret.encode()
-    if not isinstance(secret, bytes):
+    """The secret as key bytes (UTF-8), if it follows `SECRET_RULE`; else ``ValueError`` saying which part fails.
+
+    Length is counted in characters (bytes for a ``bytes`` secret), so 32 multi-byte characters count 32, not more.
+    """
+    if not isinstance(secret, (str, bytes)):
         raise TypeError(f"the run secret must be a str or bytes, got {type(secret).__name__}")
-    if len(secret) < MIN_SECRET_CHARS:
+    chars: str | bytes = secret
+    problem = ""
+    if len(chars) < MIN_SECRET_CHARS:
+        problem = f"it has {len(chars)} characters"
+    elif not chars.strip():
+        problem = "it is only whitespace"
+    elif chars != chars.strip():
+        problem = "it starts or ends with whitespace (lost by shells and env files)"
+    elif len(set(chars)) < MIN_DISTINCT_CHARS:
+        problem = f"it has only {len(set(chars))} distinct characters (too little entropy)"
+    if problem:
         raise ValueError(
-            f"the run secret (CRF_DILOCO_SECRET) has {len(secret)} characters; it needs at least {MIN_SECRET_CHARS}. "
+            f"the run secret (CRF_DILOCO_SECRET) is refused: {problem}. Rule: {SECRET_RULE}. "
             "Let `crf-diloco launch` make one, or use crf_diloco.auth.new_secret()"
         )
-    return secret
+    return secret.encode() if isinstance(secret, str) else secret
 
 
 def launch_secret(env: Mapping[str, str] | None = None) -> str:

@@ -1,8 +1,8 @@
-"""Object-store layout of a serverless DiLoCo run (layout version 3).
+"""Object-store layout of a serverless DiLoCo run (layout version 4).
 
 Everything lives under ``{uri}/{run_id}/``::
 
-    LAYOUT                          {"layout": "crf-diloco", "version": 3}      (create-only)
+    LAYOUT                          {"layout": "crf-diloco", "version": 4, "world_size": W}   (create-only)
     r{round:08d}/members/{rank}.json  announcement: incarnation nonce, payload spec, observer flag, veto
     r{round:08d}/quorum.json          participants, incarnations, payload spec, rejected ranks, round token (first writer wins)
     r{round:08d}/data/{rank}.safetensors      a participant's whole payload, written once
@@ -14,7 +14,9 @@ Everything lives under ``{uri}/{run_id}/``::
 Version 2 added ``votes/`` (the store-wide ``should_commit`` vote) and the member ``veto`` field. Version 3
 authenticates every object with the run's secret (records sealed as ``{"mac": ..., "body": ...}``, tensor objects in
 wire format 2 with a header MAC and per-shard content tags), stores typed records (the quorum names ``rejected``
-ranks and no longer stores the shard plan) and writes states in the same sealed format.
+ranks and no longer stores the shard plan) and writes states in the same sealed format. Version 4 binds the run's
+``world_size`` into ``LAYOUT`` and every record, adds the payload's dtypes to its spec, and keeps the decision of
+every collected round (a tombstone: a collected round is never re-created).
 Every object is written create-only and never rewritten. Names that reach a key are validated
 so that nothing can escape the run prefix.
 """
@@ -32,10 +34,10 @@ __all__ = [
     "validate_name",
 ]
 
-LAYOUT_VERSION = 3
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_ROUND_RE = re.compile(r"^r(\d{8,})$")
-_STATE_RE = re.compile(r"^r(\d{8,})\.safetensors$")
+LAYOUT_VERSION = 4
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_ROUND_RE = re.compile(r"r([0-9]{8,})")
+_STATE_RE = re.compile(r"r([0-9]{8,})\.safetensors")
 
 
 def validate_name(value: str, what: str) -> str:
@@ -46,7 +48,7 @@ def validate_name(value: str, what: str) -> str:
     """
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {type(value).__name__}")
-    if not _NAME_RE.match(value) or ".." in value:
+    if not _NAME_RE.fullmatch(value) or ".." in value:
         raise ValueError(
             f"{what}={value!r} could escape the store prefix or is not a plain name; use 1-128 characters "
             "from [A-Za-z0-9._-], starting with a letter or digit, without '..' or '/'"
@@ -94,7 +96,7 @@ class RoundKeys:
 
 def parse_round_dir(name: str) -> int | None:
     """Round number of a directory name ``r00000012`` (last path component), else ``None``."""
-    m = _ROUND_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    m = _ROUND_RE.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
 
 
@@ -105,5 +107,5 @@ def state_key(round_id: int) -> str:
 
 def parse_state_key(name: str) -> int | None:
     """Round number of a checkpoint object name, else ``None``."""
-    m = _STATE_RE.match(name.rsplit("/", 1)[-1])
+    m = _STATE_RE.fullmatch(name.rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None

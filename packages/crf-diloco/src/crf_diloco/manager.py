@@ -27,6 +27,7 @@ from crf_diloco.allreduce import ObjectStoreAllReduce
 from crf_diloco.checkpoint import dumps_state, loads_state
 from crf_diloco.errors import AllReduceError, CorruptObjectError, HealError, PayloadMismatchError
 from crf_diloco.layout import parse_state_key, state_key
+from crf_diloco.wire import read_header
 
 __all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork"]
 
@@ -418,9 +419,27 @@ class MockManager:
             return
         store, key = self._allreduce.store, state_key(round_id)
         store.put_create(key, dumps_state(self._state(round_id), key, self._allreduce.auth))
-        rounds = sorted(r for r in (parse_state_key(n) for n in store.list_names("state")) if r is not None)
-        for old in rounds[:-_KEEP_STATES]:
-            store.remove_tree(state_key(old))
+        self._collect_states(round_id)
+
+    def _collect_states(self, round_id: int) -> None:
+        """Keep the `_KEEP_STATES` newest authentic states up to ``round_id`` (the one just written) and delete the
+        authentic ones before them. Only states whose header authenticates are counted or deleted, none after
+        ``round_id``: junk named like a state (``state/r99999999.safetensors``) is neither kept in place of a real
+        checkpoint nor deleted."""
+        store, auth = self._allreduce.store, self._allreduce.auth
+        rounds = sorted((r for r in map(parse_state_key, store.list_names("state")) if r is not None and r <= round_id),
+                        reverse=True)  # fmt: skip
+        kept = 0
+        for r in rounds:
+            try:
+                header = read_header(store, state_key(r), auth)
+            except (FileNotFoundError, CorruptObjectError):
+                continue
+            if header.metadata.get("kind") != "state":
+                continue
+            kept += 1
+            if kept > _KEEP_STATES:
+                store.remove_tree(state_key(r))
 
     def _write_checkpoint_if_due(self) -> None:
         if self._checkpoint_due is None:

@@ -8,7 +8,16 @@ import torch
 
 from crf_diloco.wire import CODECS, Scratch
 
-__all__ = ["SUPPORTED_DTYPES", "as_tensor_list", "codec_of", "count_nonfinite", "flatten", "write_back"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "as_tensor_list",
+    "codec_of",
+    "count_nonfinite",
+    "dtype_runs",
+    "flatten",
+    "nonfinite_as_dtypes",
+    "write_back",
+]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -75,3 +84,39 @@ def count_nonfinite(x: torch.Tensor) -> int:
     if x.numel() == 0 or bool(torch.isfinite(x.sum())):
         return 0
     return int((~torch.isfinite(x)).sum())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_runs(tensors: list[torch.Tensor]) -> tuple[tuple[str, int], ...]:
+    """The tensors' dtypes as runs ``(dtype, count)`` over the flat payload; ``()`` when all are float32."""
+    runs: list[tuple[str, int]] = []
+    for t in tensors:
+        name, n = _dtype_name(t.dtype), t.numel()
+        if not n:
+            continue
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1] + n)
+        else:
+            runs.append((name, n))
+    return () if all(name == "float32" for name, _ in runs) else tuple(runs)
+
+
+def nonfinite_as_dtypes(values: torch.Tensor, start: int, runs: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    """For the fp32 ``values`` at payload offset ``start``: how many are NaN/inf once cast to the dtype of the tensor
+    they go back to (``runs`` from `dtype_runs`), by dtype. A float16 sum of 60000 + 60000 is finite in fp32 and
+    ``inf`` in float16, so the check must run in the payload's own dtype."""
+    bad: dict[str, int] = {}
+    offset, end = 0, start + values.numel()
+    for name, n in runs or (("float32", end),):
+        lo, hi = max(offset, start), min(offset + n, end)
+        offset += n
+        if lo >= hi:
+            continue
+        chunk = values[lo - start : hi - start]
+        count = count_nonfinite(chunk if name == "float32" else chunk.to(getattr(torch, name)))
+        if count:
+            bad[name] = bad.get(name, 0) + count
+    return bad

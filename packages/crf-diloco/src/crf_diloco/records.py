@@ -2,11 +2,13 @@
 
 Each record is a frozen dataclass with ``to_json()`` and ``parse(obj, key, world_size)``; ``parse`` accepts exactly
 the shape ``to_json`` writes (types, ranges, ranks ``0 <= r < world_size``) and raises `CorruptObjectError` naming the
-key for anything else, so a malformed object can never surface as a raw ``KeyError``/``TypeError``.
+key for anything else, so a malformed object can never surface as a raw ``KeyError``/``TypeError``. Every record
+names the ``world_size`` of its writer, and a reader refuses one written for another world size.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from crf_diloco.wire import CODECS, ShardPlan
 
 __all__ = [
     "MAX_NUMEL",
+    "PAYLOAD_DTYPES",
     "DecisionRecord",
     "MemberRecord",
     "PayloadSpec",
@@ -27,14 +30,16 @@ __all__ = [
 ]
 
 MAX_NUMEL = 1 << 40
-_RANK_RE = re.compile(r"^(0|[1-9][0-9]{0,8})$")
-_TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
+_RANK_RE = re.compile(r"0|[1-9][0-9]{0,8}")
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 _MAX_TEXT = 4096
+#: dtypes a payload may come from (the reduction is fp32; results are checked for finiteness in these).
+PAYLOAD_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def parse_rank(text: str, world_size: int) -> int | None:
     """The rank written as ``text`` (plain decimal digits, no sign, ``_`` or padding) if ``0 <= rank < world_size``."""
-    if not _RANK_RE.match(text):
+    if not _RANK_RE.fullmatch(text):
         return None
     rank = int(text)
     return rank if rank < world_size else None
@@ -58,6 +63,16 @@ class _Reader:
             raise CorruptObjectError(f"{key}: unexpected fields {extra} / missing fields {missing}")
         self.obj, self.key, self.world_size = obj, key, world_size
 
+    def world(self) -> int:
+        """The writer's ``world_size``, which must be the reader's."""
+        v = self.obj["world_size"]
+        if v != self.world_size or not isinstance(v, int) or isinstance(v, bool):
+            raise CorruptObjectError(
+                f"{self.key}: written by a replica with world_size={v!r:.20}, this replica has world_size="
+                f"{self.world_size}; every replica of a run must be launched with the same world size"
+            )
+        return v
+
     def bad(self, name: str, want: str) -> CorruptObjectError:
         return CorruptObjectError(f"{self.key}: field {name!r} must be {want}, got {self.obj.get(name)!r:.200}")
 
@@ -80,7 +95,7 @@ class _Reader:
         v = self.obj[name]
         if v is None and optional:
             return None
-        if not isinstance(v, str) or len(v) > _MAX_TEXT or (pattern is not None and not pattern.match(v)):
+        if not isinstance(v, str) or len(v) > _MAX_TEXT or (pattern is not None and not pattern.fullmatch(v)):
             raise self.bad(name, "a short string" + (" matching " + pattern.pattern if pattern else ""))
         return v
 
@@ -89,6 +104,19 @@ class _Reader:
         if not isinstance(v, str) or v not in options:
             raise self.bad(name, f"one of {options}")
         return v
+
+    def dtype_runs(self, name: str) -> tuple[tuple[str, int], ...]:
+        v = self.obj[name]
+        want = f"runs [dtype, count] of {PAYLOAD_DTYPES}, neighbours differing, not all float32"
+        if not isinstance(v, list) or not all(
+            isinstance(run, list) and len(run) == 2 and run[0] in PAYLOAD_DTYPES and isinstance(run[1], int)
+            and not isinstance(run[1], bool) and 1 <= run[1] <= MAX_NUMEL for run in v
+        ):  # fmt: skip
+            raise self.bad(name, want)
+        runs = tuple((str(d), int(n)) for d, n in v)
+        if any(a[0] == b[0] for a, b in itertools.pairwise(runs)) or [d for d, _ in runs] == ["float32"]:
+            raise self.bad(name, want)
+        return runs
 
     def ranks(self, name: str) -> tuple[int, ...]:
         v = self.obj[name]
@@ -108,7 +136,7 @@ class _Reader:
             rank = parse_rank(k, self.world_size)
             if rank is None or not isinstance(text, str) or len(text) > _MAX_TEXT:
                 raise self.bad(name, f"an object of rank (0 <= rank < {self.world_size}) -> string")
-            if value_pattern is not None and not value_pattern.match(text):
+            if value_pattern is not None and not value_pattern.fullmatch(text):
                 raise self.bad(name, f"an object of rank -> string matching {value_pattern.pattern}")
             out[rank] = text
         return out
@@ -116,27 +144,34 @@ class _Reader:
 
 @dataclass(frozen=True)
 class PayloadSpec:
-    """What a replica contributes to a round: element count, wire codec, op, optional name, vote-decided or not."""
+    """What a replica contributes to a round: element count, wire codec, op, optional name, vote-decided or not, and
+    the dtypes of its tensors as runs ``(dtype, count)`` over the flat payload (``()``: all float32)."""
 
     numel: int
     codec: str
     op: Literal["avg", "sum"]
     name: str | None
     vote: bool
+    dtypes: tuple[tuple[str, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"numel": self.numel, "codec": self.codec, "op": self.op, "name": self.name, "vote": self.vote}
+        return {"numel": self.numel, "codec": self.codec, "op": self.op, "name": self.name, "vote": self.vote,
+                "dtypes": [list(run) for run in self.dtypes]}  # fmt: skip
 
     @staticmethod
     def parse(obj: Any, key: str) -> PayloadSpec:
-        r = _Reader(obj, key, 1, {"numel", "codec", "op", "name", "vote"})
-        return PayloadSpec(
+        r = _Reader(obj, key, 1, {"numel", "codec", "op", "name", "vote", "dtypes"})
+        spec = PayloadSpec(
             r.integer("numel", 1),
             r.choice("codec", CODECS),
             r.choice("op", ("avg", "sum")),
             r.text("name", optional=True),
             r.flag("vote"),
+            r.dtype_runs("dtypes"),
         )
+        if spec.dtypes and sum(n for _, n in spec.dtypes) != spec.numel:
+            raise r.bad("dtypes", f"runs covering the {spec.numel} elements")
+        return spec
 
     def describe(self) -> str:
         label = f" {self.name!r}" if self.name else ""
@@ -152,10 +187,12 @@ class MemberRecord:
     spec: PayloadSpec | None
     observer: bool
     veto: str | None
+    world_size: int = field(kw_only=True)
 
     def to_json(self) -> dict[str, Any]:
         spec = self.spec.to_json() if self.spec is not None else None
         return {
+            "world_size": self.world_size,
             "rank": self.rank,
             "incarnation": self.incarnation,
             "spec": spec,
@@ -165,7 +202,8 @@ class MemberRecord:
 
     @staticmethod
     def parse(obj: Any, key: str, world_size: int) -> MemberRecord:
-        r = _Reader(obj, key, world_size, {"rank", "incarnation", "spec", "observer", "veto"})
+        r = _Reader(obj, key, world_size, {"world_size", "rank", "incarnation", "spec", "observer", "veto"})
+        world = r.world()
         spec = None if obj["spec"] is None else PayloadSpec.parse(obj["spec"], key)
         record = MemberRecord(
             r.rank("rank"),
@@ -173,6 +211,7 @@ class MemberRecord:
             spec,
             r.flag("observer"),
             r.text("veto", optional=True),
+            world_size=world,
         )
         if (record.spec is None) == (record.veto is None):
             raise CorruptObjectError(f"{key}: a member record has either a payload spec or a veto")
@@ -194,6 +233,7 @@ class QuorumRecord:
     spec: PayloadSpec
     by: int
     rejected: Mapping[int, str] = field(default_factory=dict)
+    world_size: int = field(kw_only=True)
 
     @property
     def plan(self) -> ShardPlan:
@@ -201,6 +241,7 @@ class QuorumRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "world_size": self.world_size,
             "round": self.round,
             "token": self.token,
             "participants": list(self.participants),
@@ -212,8 +253,9 @@ class QuorumRecord:
 
     @staticmethod
     def parse(obj: Any, key: str, world_size: int, round_id: int) -> QuorumRecord:
-        fields = {"round", "token", "participants", "incarnations", "spec", "by", "rejected"}
+        fields = {"world_size", "round", "token", "participants", "incarnations", "spec", "by", "rejected"}
         r = _Reader(obj, key, world_size, fields)
+        world = r.world()
         record = QuorumRecord(
             r.integer("round", round_id, round_id),
             r.text("token", pattern=_TOKEN_RE),
@@ -222,6 +264,7 @@ class QuorumRecord:
             PayloadSpec.parse(obj["spec"], key),
             r.rank("by"),
             r.rank_map("rejected"),
+            world_size=world,
         )
         if not record.participants or set(record.incarnations) != set(record.participants):
             raise CorruptObjectError(f"{key}: participants and incarnations disagree (or no participant)")
@@ -239,9 +282,11 @@ class VoteRecord:
     reason: str
     token: str
     incarnation: str
+    world_size: int = field(kw_only=True)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "world_size": self.world_size,
             "rank": self.rank,
             "ok": self.ok,
             "reason": self.reason[:_MAX_TEXT],
@@ -251,13 +296,15 @@ class VoteRecord:
 
     @staticmethod
     def parse(obj: Any, key: str, world_size: int) -> VoteRecord:
-        r = _Reader(obj, key, world_size, {"rank", "ok", "reason", "token", "incarnation"})
+        r = _Reader(obj, key, world_size, {"world_size", "rank", "ok", "reason", "token", "incarnation"})
+        world = r.world()
         return VoteRecord(
             r.rank("rank"),
             r.flag("ok"),
             r.text("reason"),
             r.text("token", pattern=_TOKEN_RE),
             r.text("incarnation", pattern=_TOKEN_RE),
+            world_size=world,
         )
 
 
@@ -270,6 +317,7 @@ class DecisionRecord:
     reason: str
     by: int
     token: str | None
+    world_size: int = field(kw_only=True)
 
     @property
     def committed(self) -> bool:
@@ -277,6 +325,7 @@ class DecisionRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "world_size": self.world_size,
             "round": self.round,
             "outcome": self.outcome,
             "reason": self.reason[:_MAX_TEXT],
@@ -286,13 +335,15 @@ class DecisionRecord:
 
     @staticmethod
     def parse(obj: Any, key: str, world_size: int, round_id: int) -> DecisionRecord:
-        r = _Reader(obj, key, world_size, {"round", "outcome", "reason", "by", "token"})
+        r = _Reader(obj, key, world_size, {"world_size", "round", "outcome", "reason", "by", "token"})
+        world = r.world()
         record = DecisionRecord(
             r.integer("round", round_id, round_id),
             r.choice("outcome", ("commit", "abort")),
             r.text("reason"),
             r.rank("by"),
             r.text("token", optional=True, pattern=_TOKEN_RE),
+            world_size=world,
         )
         if record.committed and record.token is None:
             raise CorruptObjectError(f"{key}: a commit decision names its round token")

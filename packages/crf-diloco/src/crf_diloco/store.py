@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import stat
 import threading
 import time
 import uuid
@@ -33,7 +35,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from crf_diloco.errors import AllReduceError, CorruptObjectError, StoreBackendMissingError
 
-__all__ = ["ADAPTER_PACKAGES", "ObjectStore"]
+__all__ = ["ADAPTER_PACKAGES", "ObjectStore", "validate_uri"]
 
 T = TypeVar("T")
 
@@ -83,6 +85,38 @@ class _ClaimedPaths:
 
 
 _MEMORY_CREATES = _ClaimedPaths()
+_SCHEME_RE = re.compile(r"[a-z][a-z0-9+.-]*")
+_SCHEME_LIKE_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")
+
+
+def validate_uri(uri: str) -> str:
+    """Return ``uri`` if it names a store location exactly, else raise ``ValueError`` naming the problem.
+
+    Refused: empty or whitespace-padded strings and control characters (``"/data\\n"``), a URI without a bucket or
+    folder (``"s3://"``, which would otherwise become a local folder named ``s3:``), a malformed scheme, and a
+    scheme without ``//`` (``"s3:bucket"``, also a local folder otherwise).
+    """
+    if not isinstance(uri, str):
+        raise TypeError(f"uri must be a str, got {type(uri).__name__}")
+    if not uri.strip() or uri != uri.strip() or any(ord(c) < 32 or ord(c) == 127 for c in uri):
+        raise ValueError(
+            f"uri={uri!r} is empty, padded with whitespace or holds control characters; give the URI alone"
+        )
+    protocol, path = fsspec.core.split_protocol(uri)
+    if protocol is not None:
+        if not _SCHEME_RE.fullmatch(protocol):
+            raise ValueError(f"uri={uri!r} has a malformed scheme {protocol!r}; write e.g. s3://bucket/prefix")
+        if not path.strip("/"):
+            raise ValueError(f"uri={uri!r} names no bucket or folder; write {protocol}://<bucket-or-folder>[/prefix]")
+    elif _SCHEME_LIKE_RE.match(uri) and not uri.startswith(("./", "/")):
+        scheme = uri.split(":", 1)[0]
+        raise ValueError(
+            f"uri={uri!r} looks like a {scheme}: URI without '//' and would become a local folder; write "
+            f"{scheme}://<bucket-or-folder>[/prefix], or ./{uri} for a local folder"
+        )
+    return uri
+
+
 _NOT_TRANSIENT = (FileNotFoundError, FileExistsError)
 
 
@@ -122,8 +156,7 @@ class ObjectStore:
         retries: int = 3,
         retry_backoff: float = 0.05,
     ) -> None:
-        if not isinstance(uri, str) or not uri.strip():
-            raise ValueError(f"uri must be a non-empty string, got {uri!r}")
+        validate_uri(uri)
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if retry_backoff < 0:
@@ -171,6 +204,19 @@ class ObjectStore:
         self._resolve()
         return f"{self._root}/{key}" if self._root else key
 
+    def _local_path(self, key: str) -> str:
+        """``key`` on the local disk. `CorruptObjectError` if a directory between the prefix and the object is a
+        symbolic link or resolves outside the prefix: nothing planted in the store redirects a read or a write."""
+        path = self.path(key)
+        folder = os.path.dirname(key)
+        root = os.path.realpath(self._root)
+        if os.path.realpath(os.path.dirname(path)) != (os.path.join(root, folder) if folder else root):
+            raise CorruptObjectError(
+                f"{key}: a directory on its path under {self.uri!r} is a symbolic link or leaves the store prefix; "
+                "refused (the store holds something crf-diloco never writes)"
+            )
+        return path
+
     # -- retries ------------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         delay = self.retry_backoff
@@ -210,13 +256,14 @@ class ObjectStore:
 
         Returns False if an object already existed there.
         """
-        path = self.path(key)
         fs = self.fs
         parts = [memoryview(data)] if isinstance(data, bytes) else list(data)
         try:
             if isinstance(fs, LocalFileSystem):
-                self._call(f"create {key}", lambda: _local_create(path, parts))
+                root = self._root
+                self._call(f"create {key}", lambda: _local_create(root, key, self._local_path(key), parts))
             else:
+                path = self.path(key)
                 joined = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
                 if isinstance(fs, MemoryFileSystem):  # its "xb" open checks, then creates: not atomic on its own
                     with _MEMORY_CREATES.claim(fs, path):
@@ -236,11 +283,10 @@ class ObjectStore:
             if len(data) > limit:
                 raise CorruptObjectError(f"{key}: object is larger than the {limit} bytes such a record may have")
             return data
-        path = self.path(key)
         if self.is_local:
-            data = self._call(f"read {key}", lambda: _local_read(path, 0, None))
+            data = self._call(f"read {key}", lambda: _local_read(self._local_path(key), key, 0, None))
         else:
-            data = self._call(f"read {key}", lambda: self.fs.cat_file(path))
+            data = self._call(f"read {key}", lambda: self.fs.cat_file(self.path(key)))
         self._count_read(len(data))
         return bytes(data)
 
@@ -255,11 +301,10 @@ class ObjectStore:
         """Bytes ``[start, end)`` of an object (one ranged read; fewer if the object ends first)."""
         if not 0 <= start <= end:
             raise ValueError(f"bad byte range [{start}, {end}) for {key}")
-        path = self.path(key)
         if self.is_local:
-            data = self._call(f"ranged read {key}", lambda: _local_read(path, start, end))
+            data = self._call(f"ranged read {key}", lambda: _local_read(self._local_path(key), key, start, end))
         else:
-            data = self._call(f"ranged read {key}", lambda: self.fs.cat_file(path, start=start, end=end))
+            data = self._call(f"ranged read {key}", lambda: self.fs.cat_file(self.path(key), start=start, end=end))
         self._count_read(len(data))
         return bytes(data)
 
@@ -269,7 +314,7 @@ class ObjectStore:
         change under the reader, unlike a memory map); elsewhere this is one ranged read."""
         path = self.path(key)
         if self.is_local:
-            got = self._call(f"ranged read {key}", lambda: _local_read_into(path, start, buf))
+            got = self._call(f"ranged read {key}", lambda: _local_read_into(self._local_path(key), key, start, buf))
         else:
             data = self._call(f"ranged read {key}", lambda: self.fs.cat_file(path, start=start, end=start + buf.nbytes))
             got = min(len(data), buf.nbytes)
@@ -282,9 +327,9 @@ class ObjectStore:
             self.bytes_read += n
 
     def exists(self, key: str) -> bool:
-        path = self.path(key)
         if self.is_local:
-            return os.path.exists(path)
+            return os.path.lexists(self._local_path(key))  # a planted link or FIFO is "something there"
+        path = self.path(key)
         return bool(self._call(f"exists {key}", lambda: self.fs.exists(path)))
 
     def list_names(self, key: str) -> list[str]:
@@ -292,16 +337,20 @@ class ObjectStore:
         path = self.path(key)
         try:
             if self.is_local:
-                return sorted(self._call(f"list {key}", lambda: _local_list(path)))
+                local = self._local_path(key) if key else path
+                return sorted(self._call(f"list {key}", lambda: _local_list(local)))
             entries = self._call(f"list {key}", lambda: self.fs.ls(path, detail=False, refresh=True))
         except FileNotFoundError:
             return []
         return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
     def remove_tree(self, key: str) -> None:
-        """Best-effort recursive delete (garbage collection never fails a round)."""
-        path = self.path(key)
+        """Best-effort recursive delete (garbage collection never fails a round). On a local disk nothing behind a
+        symbolic link is deleted."""
         with contextlib.suppress(OSError, AllReduceError):
+            path = self._local_path(key) if self.is_local else self.path(key)
+            if self.is_local and os.path.islink(path):
+                return
             self.fs.rm(path, recursive=True)
 
     def preflight(self) -> None:
@@ -342,17 +391,27 @@ class ObjectStore:
                 self.remove_tree(key)
 
 
-def _local_create(path: str, parts: list[memoryview]) -> None:
+def _local_create(root: str, key: str, path: str, parts: list[memoryview]) -> None:
     """Write a temporary file next to ``path`` and link it into place: ``FileExistsError`` if ``path`` exists,
-    and readers never see a partial object."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
+    and readers never see a partial object. Directories are created one by one under ``root``; one that exists but
+    is not a plain directory (a symbolic link, a file) is refused."""
+    directory = root
+    for part in key.split("/")[:-1]:
+        directory = os.path.join(directory, part)
+        try:
+            mode = os.lstat(directory).st_mode
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory)
+            mode = os.lstat(directory).st_mode
+        if not stat.S_ISDIR(mode):
+            raise CorruptObjectError(f"{key}: {part!r} on its path is not a plain directory; refused")
     tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         try:
-            for part in parts:
-                view = part.cast("B") if part.format != "B" else part
+            for part_view in parts:
+                view = part_view.cast("B") if part_view.format != "B" else part_view
                 while view.nbytes:
                     view = view[os.write(fd, view) :]
         finally:
@@ -363,22 +422,42 @@ def _local_create(path: str, parts: list[memoryview]) -> None:
 
 
 def _local_list(path: str) -> list[str]:
+    if os.path.islink(path):
+        return []  # a planted link is no directory of ours
     try:
         return os.listdir(path)
     except NotADirectoryError:
         return []
 
 
-def _local_read(path: str, start: int, end: int | None) -> bytes:
-    with open(path, "rb", buffering=0) as f:
+def _open_regular(path: str, key: str) -> int:
+    """A read-only descriptor of the regular file at ``path``; `CorruptObjectError` for anything else (a FIFO, a
+    device, a socket or a symbolic link), without blocking: a FIFO is opened non-blocking and closed again."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptObjectError(f"{key}: a symbolic link, not an object; refused") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise CorruptObjectError(f"{key}: {kind}, not an object; refused")
+    return fd
+
+
+def _local_read(path: str, key: str, start: int, end: int | None) -> bytes:
+    fd = _open_regular(path, key)
+    with open(fd, "rb", buffering=0) as f:
         if end is None:
             return f.read()
         f.seek(start)
         return f.read(end - start)
 
 
-def _local_read_into(path: str, start: int, buf: memoryview) -> int:
-    fd = os.open(path, os.O_RDONLY)
+def _local_read_into(path: str, key: str, start: int, buf: memoryview) -> int:
+    fd = _open_regular(path, key)
     try:
         got = 0
         while got < buf.nbytes:
