@@ -2,13 +2,16 @@
 
 ``launch_replicas`` defines an app with one function (`_modal_worker.run_replica`: GPU, CPU, memory, image and
 timeout as configured, ``retries=0`` so a crash is a failed replica rather than a silent re-run), runs the app and
-calls ``function.spawn(rank, command, env, ...)`` once per rank. Inside its container each call starts the command
+calls ``function.spawn(rank, command, env, ...)`` once per rank. Modal reschedules an input whose container was preempted
+even with ``retries=0``; each call records its first attempt in an ephemeral ``modal.Dict``, so a restarted one
+does not run the command again but ends with an error saying the replica was restarted (reported per replica). Inside its container each call starts the command
 as a child process with the ``CRF_DILOCO_*`` variables and ``env``, and returns how it ended. Secrets (the per-run
 key ``CRF_DILOCO_SECRET``, anything named like a credential, ``secrets``/``secret_env``) become one
 ``modal.Secret.from_dict`` attached to the function, next to the named Modal secrets in ``modal_secrets``: they
 reach the container's environment through Modal's secret store, never as call arguments. Output lines travel back
 through an ephemeral ``modal.Queue`` to ``on_output``; ``collect`` polls each ``FunctionCall`` and maps Modal's
-errors (function timeout, remote failure, cancellation, expired result) to failed `ReplicaResult` s, cancels the
+errors (function timeout, remote failure, expired result; a call the launcher cancelled ends, in the client, with
+the ``RemoteError`` of its terminated result) to failed `ReplicaResult` s, cancels the
 other calls when one fails (unless ``cancel_on_failure=False``) and the late ones at the deadline, then stops the
 app. Text that comes back has secret values masked, in the container and again here.
 
@@ -71,18 +74,19 @@ class _ModalSession:
     def __init__(self, modal: Any) -> None:
         self.modal = modal
 
-    def open(self, app: Any, *, show_output: bool, log_queue: bool) -> tuple[contextlib.ExitStack, Any]:
-        """Enter ``app.run()`` (and a ``Queue.ephemeral()`` when asked); the stack exits them."""
+    def open(self, app: Any, *, show_output: bool, log_queue: bool) -> tuple[contextlib.ExitStack, Any, Any]:
+        """Enter ``app.run()``, a ``Dict.ephemeral()`` of first attempts (and a ``Queue.ephemeral()`` when asked)."""
         stack = contextlib.ExitStack()
         try:
             if show_output:
                 stack.enter_context(self.modal.enable_output())
             stack.enter_context(app.run())
+            attempts = stack.enter_context(self.modal.Dict.ephemeral())
             q = stack.enter_context(self.modal.Queue.ephemeral()) if log_queue else None
         except BaseException:
             stack.close()
             raise
-        return stack, q
+        return stack, q, attempts
 
     def spawn(self, function: Any, *args: Any) -> Any:
         return function.spawn(*args)
@@ -198,11 +202,11 @@ class _ModalCall:
             return self._failed("Modal no longer holds the result of this call (it expired)")
         except (TimeoutError, errors.TimeoutError):
             return None  # still running
-        except errors.InputCancellation:
-            return self._failed("the call was cancelled on Modal")
         except Exception as exc:
             if _unreachable(exc, errors):
                 raise
+            if self.cancel_requested and isinstance(exc, errors.RemoteError):
+                return self._failed("the call was cancelled on Modal")  # its result is TERMINATED: a RemoteError
             return self._failed(f"the replica's Modal call failed ({type(exc).__name__}: {exc})")
         return self._from_value(value)
 
@@ -423,7 +427,7 @@ class ModalExecutor(RemoteExecutor):
         argv, run_id, secrets = prepared.argv, prepared.run_id, prepared.secrets
         definition = self.build_app(secrets)
         try:
-            stack, log_queue = self._session.open(
+            stack, log_queue, attempts = self._session.open(
                 definition.app, show_output=self.show_output, log_queue=on_output is not None
             )
         except Exception as exc:
@@ -438,7 +442,7 @@ class ModalExecutor(RemoteExecutor):
             for rank in range(world_size):
                 call = self._session.spawn(
                     definition.function, rank, argv, prepared.envs[rank], secrets.names, log_queue, self.tail_lines,
-                    self.terminate_grace_s,
+                    self.terminate_grace_s, attempts,
                 )  # fmt: skip
                 call_id = str(getattr(call, "object_id", "") or f"rank-{rank}")
                 handles.append(ModalReplicaHandle(rank, run_id, call_id, _ModalCall(launch, rank, call)))
