@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,7 +209,7 @@ def test_cli_builds_the_hf_executor_and_ships_the_script(tmp_path: Path) -> None
 
     args = build_parser().parse_args(
         ["launch", "--executor", "hf", "--replicas", "4", "--uri", "s3://bucket/runs", "--timeout", "7200.5",
-         "--hf-flavor", "a10g-large", "--hf-namespace", "crf-org", "--secret", "AWS_SECRET_ACCESS_KEY",
+         "--crf-source", "index", "--hf-flavor", "a10g-large", "--hf-namespace", "crf-org", "--secret", "AWS_SECRET_ACCESS_KEY",
          "--no-cancel-on-failure", BEHAVE, "--lr", "1"]
     )  # fmt: skip
     executor = _make_executor(args, "s3://bucket/runs")
@@ -250,8 +251,11 @@ def test_cli_cloud_executor_without_its_sdk_exits_2_naming_the_extra(
     executor: str, module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.setenv("CRF_DILOCO_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens: the index cannot say
     with pytest.raises(SystemExit) as info:
-        main(["launch", "--executor", executor, "--replicas", "2", "--uri", "s3://b/p", BEHAVE])
+        main(
+            ["launch", "--executor", executor, "--replicas", "2", "--uri", "s3://b/p", "--crf-source", "index", BEHAVE]
+        )
     assert info.value.code == 2
     assert f"pip install 'crf-diloco[{executor}]'" in capsys.readouterr().err
 
@@ -365,3 +369,49 @@ def test_cli_launch_errors_name_the_subcommand(
     assert message in err
     assert "crf-diloco launch: error:" in err
     assert "[rank" not in out
+
+
+def test_cli_ships_this_checkouts_wheel_when_the_index_lacks_this_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("huggingface_hub")
+    if shutil.which("uv") is None:
+        pytest.skip("uv is not on PATH (pip install uv)")
+    from crf_diloco.cli import _replica_command, _shipped_wheels, build_parser
+    from crf_diloco.executors.wheels import LOADER
+
+    monkeypatch.setenv("CRF_DILOCO_INDEX_URL", "http://127.0.0.1:9/simple")
+    args = build_parser().parse_args(["launch", "--executor", "hf", "--replicas", "2", "--uri", "s3://b/p", BEHAVE])
+    wheels = _shipped_wheels(args)
+    assert [w.name for w in wheels] == [f"crf_diloco-{__version__}-py3-none-any.whl"]
+    assert "is not known to be on the package index http://127.0.0.1:9/simple" in capsys.readouterr().err
+    command = _replica_command(args, [], "s3://b/p", wheels)
+    assert command[:4] == ["python", "-c", LOADER, wheels[0].name]
+    rest = command[command.index("--") + 1 :]
+    assert rest[:6] == ["uv", "run", "--no-project", "--with", f"crf-diloco[s3]=={__version__}", "--"]
+    assert all(len(arg) < 128 * 1024 for arg in command)  # each argument fits Linux's limit
+    args = build_parser().parse_args(
+        ["launch", "--executor", "hf", "--replicas", "2", "--uri", "s3://b/p", "--crf-source", "index", BEHAVE]
+    )
+    assert _shipped_wheels(args) == []
+    with pytest.raises(SystemExit):
+        main(["launch", "--replicas", "2", "--uri", "s3://b/p", "--crf-source", "workspace", BEHAVE])
+    assert "--crf-source needs --executor hf or modal" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "launch",
+                "--executor",
+                "hf",
+                "--replicas",
+                "2",
+                "--uri",
+                "x",
+                "--pip",
+                "y",
+                "--crf-source",
+                "index",
+                BEHAVE,
+            ]
+        )
+    assert "--crf-source applies to the default requirement only" in capsys.readouterr().err

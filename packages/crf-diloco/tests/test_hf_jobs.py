@@ -633,3 +633,54 @@ def test_hf_jobs_server_refuses_what_the_hub_refuses(jobs_server: JobsServer) ->
         api.inspect_job(job_id=info.id, namespace=USER)
     assert limited.value.response.status_code == 429
     assert 1 <= int(limited.value.response.headers["Retry-After"]) <= 60
+
+
+def test_cli_launch_hf_before_a_release_ships_the_workspace_wheel_and_the_job_installs_it(
+    jobs_server: JobsServer, tmp_path: Path
+) -> None:
+    """The documented ``crf-diloco launch --executor hf`` with the default ``--pip``, while crf-diloco is on no index.
+
+    The launcher asks the index (a 127.0.0.1 one that lacks crf-diloco), builds this checkout's wheel, packs it into
+    the job command; the job's ``uv run --with crf-diloco==<version>`` installs that wheel (its dependencies from
+    uv's cache: ``UV_OFFLINE=1``, nothing leaves this machine) and the shipped script imports it.
+    """
+    if shutil.which("uv") is None:
+        pytest.skip("uv is not on PATH (pip install uv)")
+    from crf_diloco import __version__
+
+    index = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 to all
+    threading.Thread(target=index.serve_forever, daemon=True).start()
+    script = tmp_path / "which_crf.py"
+    script.write_text(
+        "import os, sys, crf_diloco\n"
+        "print('crf-diloco', crf_diloco.__version__, 'from', os.path.dirname(crf_diloco.__file__), sys.prefix)\n"
+    )
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": jobs_server.url,
+        "HF_TOKEN": TOKEN,
+        "CRF_DILOCO_INDEX_URL": f"http://127.0.0.1:{index.server_address[1]}/simple",
+    }
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "crf_diloco", "launch", "--executor", "hf", "--replicas", "2", "--uri",
+             "memory://wheel", "--run-id", "wheel-run", "--timeout", "300", "--env", "UV_OFFLINE=1", str(script)],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=360,
+        )  # fmt: skip
+    finally:
+        index.shutdown()
+    if proc.returncode != 0 and "offline" in proc.stdout.lower():
+        pytest.skip(f"uv's cache lacks crf-diloco's dependencies for an offline install: {proc.stdout[-500:]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the replicas get this checkout's wheel (uv build)" in proc.stderr
+    src = str(Path(__file__).parents[1] / "src")
+    for rank in (0, 1):
+        (line,) = [x for x in proc.stdout.splitlines() if x.startswith(f"[rank {rank}] crf-diloco ")]
+        assert line.startswith(f"[rank {rank}] crf-diloco {__version__} from ")
+        assert src not in line  # installed into the job's environment from the shipped wheel, not this checkout
+    for job in jobs_server.jobs():
+        command = job["spec"]["command"]
+        assert command[:2] == ["python", "-c"]
+        assert command[3] == f"crf_diloco-{__version__}-py3-none-any.whl"
+        rest = command[command.index("--") + 1 :]
+        assert rest[:6] == ["uv", "run", "--no-project", "--with", f"crf-diloco=={__version__}", "--"]

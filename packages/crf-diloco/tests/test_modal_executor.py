@@ -582,3 +582,17 @@ def test_adversarial_app_that_cannot_start_spawns_nothing(make_executor: Callabl
         RuntimeError, match=r"cannot start the Modal app 'crf-diloco' \(AuthError: token \*\*\* rejected\)"
     ):
         executor.launch_replicas(behave(), world_size=2, uri="memory://m")
+
+
+def test_modal_image_carries_shipped_wheels_as_pips_find_links(tmp_path: Path) -> None:
+    from crf_diloco.executors.modal import WHEEL_DIR
+
+    wheel = tmp_path / "crf_diloco-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK")
+    executor = ModalExecutor(pip=["crf-diloco[s3]==0.1.0"], wheels=[str(wheel)])
+    assert executor.wheels == (str(wheel),)
+    executor.build_image()  # Modal checks the local file and the build steps here
+    assert WHEEL_DIR.startswith("/")
+    for bad in ([str(tmp_path / "missing.whl")], [str(tmp_path)], str(wheel)):
+        with pytest.raises(ValueError, match=r"wheels must be a list of paths of existing \.whl files"):
+            ModalExecutor(wheels=bad)  # type: ignore[arg-type]

@@ -13,8 +13,9 @@ wrapped torchrun sets its own; see `crf_diloco.executors.torch_env`). The secret
 object; it is made fresh per launch (never printed) unless ``--env CRF_DILOCO_SECRET=...`` or the launcher's
 environment gives one (to relaunch into a run). With ``--executor hf`` or ``modal`` a script travels inside the
 command (`script_command`; a module or program must be in the image or the installed packages), the replicas
-install ``--pip`` packages (default: this crf-diloco with the store's extra) and the secret goes through the
-backend's secrets; ``--secret NAME`` sends a variable of this shell as a secret too. Replica output is streamed
+install ``--pip`` packages (default: this crf-diloco with the store's extra; when the package index does not have
+this version, ``--crf-source auto`` ships this checkout's wheel, built with ``uv build``, with the job: see
+`crf_diloco.executors.wheels`) and the secret goes through the backend's secrets; ``--secret NAME`` sends a variable of this shell as a secret too. Replica output is streamed
 with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr); a summary follows on stderr. Errors start with
 ``crf-diloco launch:``. Exit status: 0 when every replica exited 0, 1 when any failed or timed out, 2 on bad
 arguments, 130/143 when interrupted by SIGINT/SIGTERM (the replicas are stopped first).
@@ -31,6 +32,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
@@ -45,6 +47,7 @@ from crf_diloco.executors.base import (
 )
 from crf_diloco.executors.script import script_command
 from crf_diloco.executors.torch_env import TORCH_ENV_VARS, with_torch_env
+from crf_diloco.executors.wheels import index_has, index_url, with_wheels, workspace_wheel
 from crf_diloco.layout import validate_name
 
 _SUMMARY_TAIL_LINES = 5
@@ -57,6 +60,7 @@ _EXECUTOR_OPTIONS: dict[str, tuple[str, ...]] = {
     "image": _CLOUD,
     "pip": _CLOUD,
     "no_pip": _CLOUD,
+    "crf_source": _CLOUD,
     "secret": _CLOUD,
     "cancel_on_failure": _CLOUD,
     "hf_flavor": ("hf",),
@@ -182,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cloud.add_argument("--no-pip", action="store_true", default=None, help="install nothing: the image has all")
     cloud.add_argument(
+        "--crf-source",
+        choices=("auto", "index", "workspace"),
+        default=None,
+        help="where the default crf-diloco requirement comes from: the package index, this checkout's wheel "
+        "(uv build, shipped with the job), or auto: the wheel when the index lacks this version (default)",
+    )
+    cloud.add_argument(
         "--secret", action="append", default=[], metavar="NAME", help="send this shell's variable NAME as a secret"
     )
     cloud.add_argument(
@@ -225,6 +236,8 @@ def _check_executor_options(args: argparse.Namespace, parser: argparse.ArgumentP
             parser.error(f"--{dest.replace('_', '-')} needs --executor {' or '.join(executors)}")
     if args.no_pip and args.pip:
         parser.error("--pip and --no-pip exclude each other")
+    if args.crf_source and (args.no_pip or args.pip):
+        parser.error("--crf-source applies to the default requirement only (not with --pip or --no-pip)")
 
 
 def default_requirement(uri: str) -> str:
@@ -233,11 +246,14 @@ def default_requirement(uri: str) -> str:
     return f"crf-diloco[{extra}]=={__version__}" if extra else f"crf-diloco=={__version__}"
 
 
-def _replica_command(args: argparse.Namespace, script_args: list[str], uri: str) -> list[str]:
+def _replica_command(
+    args: argparse.Namespace, script_args: list[str], uri: str, wheels: Sequence[Path] = ()
+) -> list[str]:
     """What each replica runs: the target (script, module or program), with torchrun's variables set first.
 
     Locally this interpreter runs the script; on a cloud replica the script travels inside the command and the
-    replica's ``python`` runs it (Hugging Face Jobs install the requirements with ``uv run --with``).
+    replica's ``python`` runs it (Hugging Face Jobs install the requirements with ``uv run --with``, finding
+    ``wheels``, packed into the command, on the find-links).
     """
     cloud = args.executor in _CLOUD
     python = "python" if cloud else sys.executable
@@ -253,7 +269,24 @@ def _replica_command(args: argparse.Namespace, script_args: list[str], uri: str)
     requirements = _requirements(args, uri) if cloud else []
     if args.executor == "hf" and requirements:  # Modal installs them into the image instead
         command = ["uv", "run", "--no-project", *[a for r in requirements for a in ("--with", r)], "--", *command]
+        if wheels:
+            command = with_wheels(wheels, command)
     return command
+
+
+def _shipped_wheels(args: argparse.Namespace) -> list[Path]:
+    """This checkout's crf-diloco wheel when cloud replicas cannot install this version from the index."""
+    if args.executor not in _CLOUD or args.no_pip or args.pip or args.crf_source == "index":
+        return []
+    if args.crf_source != "workspace":
+        found = index_has("crf-diloco", __version__)
+        if found:
+            return []
+        sys.stderr.write(
+            f"crf-diloco launch: crf-diloco {__version__} is {'not' if found is False else 'not known to be'} on the "
+            f"package index {index_url()}; the replicas get this checkout's wheel (uv build)\n"
+        )
+    return [workspace_wheel()]
 
 
 def _check_target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -278,7 +311,7 @@ def _requirements(args: argparse.Namespace, uri: str) -> list[str]:
     return [] if args.no_pip else list(args.pip or [default_requirement(uri)])
 
 
-def _make_executor(args: argparse.Namespace, uri: str) -> ServerlessExecutor[Any]:
+def _make_executor(args: argparse.Namespace, uri: str, wheels: Sequence[Path] = ()) -> ServerlessExecutor[Any]:
     """The executor ``--executor`` names, configured from its options (its SDK is imported here)."""
     cancel = {} if args.cancel_on_failure is None else {"cancel_on_failure": args.cancel_on_failure}
     if args.executor == "hf":
@@ -302,6 +335,7 @@ def _make_executor(args: argparse.Namespace, uri: str) -> ServerlessExecutor[Any
             gpu=args.modal_gpu,
             image=args.image,
             pip=_requirements(args, uri),
+            wheels=[str(w) for w in wheels],
             timeout_s=min(args.timeout, MAX_TIMEOUT_S) if args.timeout else MAX_TIMEOUT_S,
             secret_env=args.secret,
             modal_secrets=args.modal_secret,
@@ -346,9 +380,10 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     run_id = args.run_id or new_run_id()
     try:
-        command = _replica_command(args, script_args, uri)
-        executor = _make_executor(args, uri)
-    except (ImportError, ValueError, TypeError) as exc:  # a missing SDK, an option the executor refuses
+        wheels = _shipped_wheels(args)
+        command = _replica_command(args, script_args, uri, wheels)
+        executor = _make_executor(args, uri, wheels)
+    except (ImportError, ValueError, TypeError, RuntimeError) as exc:  # a missing SDK, a refused option, no wheel
         parser.error(str(exc))
     if args.executor in ("hf", "modal") and "://" not in args.uri:
         sys.stderr.write(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import re
 import sys
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 MAX_TIMEOUT_S = 24 * 3600
 """The longest a Modal function call may run."""
+WHEEL_DIR = "/opt/crf-diloco/wheels"
+"""Where ``wheels`` are copied in the image (``pip``'s find-links)."""
 _MODAL_HINT = "ModalExecutor needs modal>=1.0, which is not installed: pip install 'crf-diloco[modal]'"
 _GPU = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*(:[1-9][0-9]*)?$")
 _MAX_LINE_CHARS = 4000
@@ -294,6 +297,8 @@ class ModalExecutor(RemoteExecutor):
         image: a ``modal.Image``, or a registry image name (it must have Python); default Modal's ``debian_slim``
             with ``python_version`` (default: this interpreter's).
         pip: packages installed into the image (the replica script's dependencies, ``crf-diloco[s3]``, ...).
+        wheels: local wheel files copied into the image and used as ``pip``'s find-links (this checkout's
+            crf-diloco before it is on an index: `crf_diloco.executors.wheels.workspace_wheel`).
         timeout_s: Modal's limit for each call, at most 24 h (Modal's own default of 300 s is too short to train).
         secrets: more secret variables for every replica (name → value); secret_env: names of variables of this
             process's environment to send as secrets (a missing one is an error at launch).
@@ -316,6 +321,7 @@ class ModalExecutor(RemoteExecutor):
         image: Any = None,
         python_version: str | None = None,
         pip: Sequence[str] = (),
+        wheels: Sequence[str] = (),
         timeout_s: float = MAX_TIMEOUT_S,
         secrets: Mapping[str, str] | None = None,
         secret_env: Sequence[str] = (),
@@ -342,6 +348,10 @@ class ModalExecutor(RemoteExecutor):
             raise TypeError(f"image must be a modal.Image or a registry image name, got {type(image).__name__}")
         if isinstance(pip, str) or not all(isinstance(p, str) and p for p in pip):
             raise ValueError(f"pip must be a list of requirement strings, got {pip!r}")
+        if isinstance(wheels, str) or not all(
+            isinstance(w, str) and w.endswith(".whl") and os.path.isfile(w) for w in wheels
+        ):
+            raise ValueError(f"wheels must be a list of paths of existing .whl files, got {wheels!r}")
         timeout = validate_positive(timeout_s, "timeout_s")
         if timeout > MAX_TIMEOUT_S:
             raise ValueError(f"timeout_s must be at most {MAX_TIMEOUT_S} (Modal's 24 h limit), got {timeout_s!r}")
@@ -366,6 +376,7 @@ class ModalExecutor(RemoteExecutor):
         self.image = image
         self.python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
         self.pip = tuple(pip)
+        self.wheels = tuple(wheels)
         self.timeout_s = ceil_seconds(timeout) or 1
         self.modal_secrets = tuple(modal_secrets)
         self.region = region
@@ -381,7 +392,7 @@ class ModalExecutor(RemoteExecutor):
         )
 
     def build_image(self) -> Any:
-        """The replicas' image: the base, ``pip`` packages, and this launcher's ``crf_diloco`` source."""
+        """The replicas' image: the base, ``wheels``, ``pip`` packages, and this launcher's ``crf_diloco`` source."""
         modal = self._modal
         if isinstance(self.image, str):
             image = modal.Image.from_registry(self.image)
@@ -389,8 +400,10 @@ class ModalExecutor(RemoteExecutor):
             image = modal.Image.debian_slim(python_version=self.python_version)
         else:
             image = self.image
+        for wheel in self.wheels:
+            image = image.add_local_file(wheel, f"{WHEEL_DIR}/{os.path.basename(wheel)}", copy=True)
         if self.pip:
-            image = image.pip_install(*self.pip)
+            image = image.pip_install(*self.pip, find_links=WHEEL_DIR if self.wheels else None)
         return image.add_local_python_source("crf_diloco")
 
     def build_app(self, secrets: ReplicaSecrets) -> ModalReplicaApp:
