@@ -431,7 +431,7 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
     """The parser of subcommand ``name``, so its errors read ``crf-diloco launch: error: ...``."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return action.choices[name]  # type: ignore[no-any-return]
+            return action.choices[name]
     raise LookupError(name)
 
 
