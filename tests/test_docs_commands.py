@@ -120,6 +120,7 @@ _TORCHRUN_REPLICA = """\
 import json, os
 import torch.distributed as dist
 dist.init_process_group("gloo")
+dist.barrier()  # both workers are connected before either leaves
 print("REPLICA", json.dumps({"replica": os.environ["CRF_DILOCO_RANK"], "rank": dist.get_rank()}), flush=True)
 dist.destroy_process_group()
 """
