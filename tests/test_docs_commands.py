@@ -121,7 +121,8 @@ import json, os
 import torch.distributed as dist
 dist.init_process_group("gloo")
 dist.barrier()  # both workers are connected before either leaves
-print("REPLICA", json.dumps({"replica": os.environ["CRF_DILOCO_RANK"], "rank": dist.get_rank()}), flush=True)
+record = {"replica": os.environ["CRF_DILOCO_RANK"], "rank": dist.get_rank()}
+os.write(1, ("REPLICA " + json.dumps(record) + "\\n").encode())  # one write: the workers share torchrun's stdout
 dist.destroy_process_group()
 """
 

@@ -22,7 +22,7 @@ def main() -> None:
     names = ("CRF_DILOCO_RANK", "CRF_DILOCO_WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     record = {name: os.environ.get(name) for name in names}
     record.update(sum=value.item(), dist_rank=dist.get_rank(), dist_world_size=dist.get_world_size())
-    print(json.dumps(record), flush=True)
+    os.write(1, (json.dumps(record) + "\n").encode())  # one write: both workers share torchrun's stdout
     dist.destroy_process_group()
 
 
