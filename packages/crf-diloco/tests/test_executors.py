@@ -401,11 +401,11 @@ def test_with_wheels_delivers_the_wheel_byte_for_byte_on_the_find_links(tmp_path
     )
     command = with_wheels([wheel], [sys.executable, "-c", probe, "a", "--", "b"], python=sys.executable)
     assert max(len(a) for a in command) <= CHUNK_CHARS + 1024
-    env = {**os.environ, "UV_FIND_LINKS": "/opt/other"}
+    env = {**os.environ, "UV_FIND_LINKS": "/srv/other"}
     env.pop("PIP_FIND_LINKS", None)
     out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
     assert out.strip() == str(
-        (["demo-1.0-py3-none-any.whl"], hashlib.sha256(payload).hexdigest(), ["/opt/other"], True, ["a", "--", "b"])
+        (["demo-1.0-py3-none-any.whl"], hashlib.sha256(payload).hexdigest(), ["/srv/other"], True, ["a", "--", "b"])
     )
     with pytest.raises(ValueError, match="is not a wheel file"):
         with_wheels([tmp_path / "missing.whl"], ["true"])

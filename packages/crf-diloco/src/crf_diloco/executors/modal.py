@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 MAX_TIMEOUT_S = 24 * 3600
 """The longest a Modal function call may run."""
-WHEEL_DIR = "/opt/crf-diloco/wheels"
+WHEEL_DIR = "/crf-diloco/wheels"
 """Where ``wheels`` are copied in the image (``pip``'s find-links)."""
 _MODAL_HINT = "ModalExecutor needs modal>=1.0, which is not installed: pip install 'crf-diloco[modal]'"
 _GPU = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*(:[1-9][0-9]*)?$")
