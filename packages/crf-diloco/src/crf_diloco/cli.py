@@ -290,12 +290,13 @@ def _shipped_wheels(args: argparse.Namespace) -> list[Path]:
 
 
 def _check_target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuse a target that cannot run: a missing script, a bad module name, a program not on PATH (locally)."""
+    """Refuse a target that cannot run: a missing script, a bad module name, a program not on PATH (local executor:
+    elsewhere the program need only exist where the replicas run)."""
     if args.module:
         if not _MODULE.match(args.script):
             parser.error(f"-m {args.script!r} is not a module name (dotted Python identifiers, e.g. pkg.train)")
     elif args.no_python:
-        if args.executor in ("local", "ray") and shutil.which(args.script) is None:
+        if args.executor == "local" and shutil.which(args.script) is None:
             parser.error(f"--no-python: program {args.script!r} is not found on PATH")
     elif not os.path.isfile(args.script):
         parser.error(f"script {args.script!r} is not a file (run a module with -m, a program with --no-python)")
