@@ -5,14 +5,17 @@ The routes, payloads and stages are the ones ``huggingface_hub``'s jobs client u
 
     GET  /api/whoami-v2                          {"type": "user", "name": ..., "orgs": [...]}
     POST /api/jobs/{namespace}                   job spec (camelCase) → JobInfo
-    GET  /api/jobs/{namespace}                   [JobInfo, ...]
+    GET  /api/jobs/{namespace}                   [JobInfo, ...] (``?label=k=v``: only jobs with every such label)
     GET  /api/jobs/{namespace}/{job_id}          JobInfo
     GET  /api/jobs/{namespace}/{job_id}/logs     server-sent events ``data: {"timestamp", "data"}``, replayed
                                                  from the start (``?tail=N``: the last N), followed until the job ends
     POST /api/jobs/{namespace}/{job_id}/cancel
 
 Every ``/api`` route wants ``Authorization: Bearer <token>`` (401 otherwise); the namespace must be the user or
-one of its orgs (403); a bad spec is a 400 ``{"error": ...}``. A job is ``SCHEDULING`` for ``--scheduling-s``,
+one of its orgs (403); a bad spec is a 400 ``{"error": ...}``: what the Hub refuses is refused here too (an unknown
+flavour, labels whose keys or values are not ``[A-Za-z0-9_-]``, a ``timeoutSeconds`` that is not a positive
+integer). With a rate limit set (``--rate-limit N/S`` or the ``rate_limit`` behaviour), a token that made N
+``/api`` requests within S seconds gets ``429`` with a ``Retry-After`` header (whole seconds), as the Hub does. A job is ``SCHEDULING`` for ``--scheduling-s``,
 then ``RUNNING`` while its command runs in a fresh working folder with the job's ``environment`` and ``secrets``
 on top of a few of the server's variables (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, ``UV_CACHE_DIR``) that stand
 in for the image, plus ``UV_NO_PROJECT=1`` (a container holds no project, but the job folders may lie inside
@@ -22,10 +25,12 @@ Secrets are never returned (the Hub keeps them encrypted).
 
 Not covered: the image itself (the command runs on this machine), hardware (a flavour is only checked against a
 list), volumes and bucket uploads (so no local uv scripts), ports, SSH, network groups, retries (``attempts``),
-scheduled jobs, metrics, ``duplicate``, rate limits, billing.
+scheduled jobs, metrics, ``duplicate``, billing; the Hub's real quotas (its limits are per account and per 5
+minutes; here they are whatever the test sets), the Hub's maximum label and timeout lengths (unknown here), and the
+``RateLimit`` headers the Hub may send beside ``Retry-After``.
 
 Test-only routes, under ``/_fake``: ``GET /_fake/jobs`` (every job as submitted, secrets included, with its
-process id and raw log), ``POST /_fake/jobs/{id}/kill`` (SIGKILL the job's process group: an OOM kill or a lost node) and
+process id and raw log), ``GET /_fake/stats`` (requests served per kind, and how many got a 429), ``POST /_fake/jobs/{id}/kill`` (SIGKILL the job's process group: an OOM kill or a lost node) and
 ``POST /_fake/behaviour`` (switch the server into lying or broken modes; see `Behaviour`).
 
 Run: ``python hf_jobs_server.py --token T --user U --workdir DIR``; prints ``http://127.0.0.1:PORT`` once listening.
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import secrets
@@ -51,10 +57,35 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 FLAVORS = {
-    "cpu-basic", "cpu-upgrade", "cpu-performance", "cpu-xl", "t4-small", "t4-medium", "l4x1", "l4x4", "l40sx1",
-    "l40sx4", "l40sx8", "a10g-small", "a10g-large", "a10g-largex2", "a10g-largex4", "a100-large", "a100x4", "a100x8",
-    "h200", "h200x2", "h200x4", "h200x8",
-}  # fmt: skip
+    "cpu-basic",
+    "cpu-upgrade",
+    "cpu-performance",
+    "cpu-xl",
+    "t4-small",
+    "t4-medium",
+    "l4x1",
+    "l4x4",
+    "l40sx1",
+    "l40sx4",
+    "l40sx8",
+    "a10g-small",
+    "a10g-large",
+    "a10g-largex2",
+    "a10g-largex4",
+    "a100-large",
+    "a100x4",
+    "a100x8",
+    "h200",
+    "h200x2",
+    "h200x4",
+    "h200x8",
+    "rtx-pro-6000",
+    "rtx-pro-6000x2",
+    "rtx-pro-6000x4",
+    "rtx-pro-6000x8",
+}  # fmt: skip  (huggingface_hub 2.4's JobHardware)
+LABEL_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]*$")
 IMAGE_ENV = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "UV_CACHE_DIR", "XDG_CACHE_HOME")
 TERMINAL = ("COMPLETED", "ERROR", "CANCELED", "DELETED")
 ROUTE = re.compile(r"^/api/jobs/(?P<ns>[^/]+)(?:/(?P<id>[^/]+)(?:/(?P<action>logs|cancel))?)?$")
@@ -69,8 +100,10 @@ class Behaviour:
     """Ways the server can misbehave, set with ``POST /_fake/behaviour`` (keys as below; jobs by submission index).
 
     lie_stage: ``{index: stage}``; status reads of that job report this stage whatever really happened.
-    garbage_inspect: job indices whose status reads return ``200`` with a body that is not JSON.
-    flaky_inspect: how many of the next status reads (any job) fail with ``500``.
+    garbage_inspect: job indices whose status reads (its own, or a listing that holds it) return ``200`` with a
+        body that is not JSON.
+    flaky_inspect: how many of the next status reads (inspections and listings) fail with ``500``.
+    rate_limit: ``[N, S]``: at most N ``/api`` requests per token in any S seconds, then ``429`` + ``Retry-After``.
     reject_from: submissions from this index on get ``429`` with an error that echoes the token and the spec (secrets too).
     bad_job_id: JobInfo of new jobs carries this id (``"../whoami-v2"``) instead of the real one.
     echo_secrets: JobInfo carries the secret values.
@@ -80,6 +113,7 @@ class Behaviour:
     lie_stage: dict[int, str] = field(default_factory=dict)
     garbage_inspect: list[int] = field(default_factory=list)
     flaky_inspect: int = 0
+    rate_limit: list[float] | None = None
     reject_from: int | None = None
     bad_job_id: str | None = None
     echo_secrets: bool = False
@@ -211,6 +245,26 @@ class State:
         self.jobs: dict[str, Job] = {}
         self.lock = threading.Lock()
         self.behaviour = Behaviour()
+        self.requests: list[float] = []  # when each /api request within the rate-limit window arrived
+        self.stats: dict[str, int] = {}
+
+    def count(self, kind: str) -> None:
+        with self.lock:
+            self.stats[kind] = self.stats.get(kind, 0) + 1
+
+    def retry_after(self) -> int | None:
+        """Seconds until the next request is allowed, if this one is over the rate limit (else it is recorded)."""
+        limit = self.behaviour.rate_limit
+        if not limit:
+            return None
+        most, window = int(limit[0]), float(limit[1])
+        with self.lock:
+            now = time.monotonic()
+            self.requests = [t for t in self.requests if now - t < window]
+            if len(self.requests) >= most:
+                return max(1, math.ceil(self.requests[0] + window - now))
+            self.requests.append(now)
+            return None
 
     @property
     def owner(self) -> dict[str, str]:
@@ -232,10 +286,13 @@ def validate_spec(spec: Any) -> str | None:
             not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
         ):
             return f"{key} must be an object of strings"
+    for key, value in (spec.get("labels") or {}).items():
+        if not LABEL_KEY.match(key) or not LABEL_VALUE.match(value):
+            return f"Invalid label {key}={value}: keys and values must match ^[a-zA-Z0-9_-]*$"
     if spec.get("flavor") not in FLAVORS:
         return f"Invalid flavor {spec.get('flavor')!r}"
     timeout = spec.get("timeoutSeconds")
-    if timeout is not None and (not isinstance(timeout, int) or timeout <= 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
         return "timeoutSeconds must be a positive integer"
     return None
 
@@ -266,10 +323,43 @@ class Handler(BaseHTTPRequestHandler):
             return ...
 
     def _authorised(self) -> bool:
-        if self.headers.get("Authorization") != f"Bearer {self.server.state.token}":
+        """The token is right and within the rate limit (else the 401 or 429 has been sent)."""
+        state = self.server.state
+        if self.headers.get("Authorization") != f"Bearer {state.token}":
             self._error(401, "Invalid credentials in Authorization header")
             return False
+        wait = state.retry_after()
+        if wait is not None:
+            state.count("429")
+            data = json.dumps({"error": "You have exceeded the rate limit for the Jobs API"}).encode()
+            self.send_response(429)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Retry-After", str(wait))
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return False
         return True
+
+    def _status_read_fails(self, jobs: list[Job]) -> bool:
+        """Apply ``flaky_inspect`` and ``garbage_inspect`` to a read of these jobs' status (True: answered)."""
+        behaviour = self.server.state.behaviour
+        with self.server.state.lock:
+            flaky = behaviour.flaky_inspect > 0
+            if flaky:
+                behaviour.flaky_inspect -= 1
+        if flaky:
+            self._error(500, "Internal Error")
+            return True
+        if any(job.index in behaviour.garbage_inspect for job in jobs):
+            data = b"<html>502 Bad Gateway</html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return True
+        return False
 
     def _job(self, namespace: str, job_id: str) -> Job | None:
         state = self.server.state
@@ -287,6 +377,9 @@ class Handler(BaseHTTPRequestHandler):
                      "pid": j.proc.pid if j.proc else None, "index": j.index, "log": [line for _, line in j.lines]}
                     for j in state.jobs.values()]  # fmt: skip
             return self._json(200, jobs)
+        if url.path == "/_fake/stats":
+            with state.lock:
+                return self._json(200, dict(state.stats))
         if not self._authorised():
             return None
         if url.path == "/api/whoami-v2":
@@ -297,31 +390,25 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(404, "Not found")
         namespace, job_id, action = match.group("ns", "id", "action")
         if job_id is None:
-            return self._json(200, [j.info(state.owner, state.behaviour) for j in state.jobs.values()
-                                    if j.namespace == namespace])  # fmt: skip
+            state.count("list")
+            wanted = dict(p.partition("=")[::2] for p in parse_qs(url.query).get("label", []))
+            jobs = [j for j in state.jobs.values() if j.namespace == namespace
+                    and all((j.spec.get("labels") or {}).get(k) == v for k, v in wanted.items())]  # fmt: skip
+            if self._status_read_fails(jobs):
+                return None
+            return self._json(200, [j.info(state.owner, state.behaviour) for j in jobs])
         job = self._job(namespace, job_id)
         if job is None:
             return None
         if action == "logs":
+            state.count("logs")
             return self._stream_logs(job, parse_qs(url.query))
         if action is not None:
             return self._error(405, "Method not allowed")
-        behaviour = state.behaviour
-        with state.lock:
-            flaky = behaviour.flaky_inspect > 0
-            if flaky:
-                behaviour.flaky_inspect -= 1
-        if flaky:
-            return self._error(500, "Internal Error")
-        if job.index in behaviour.garbage_inspect:
-            data = b"<html>502 Bad Gateway</html>"
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+        state.count("inspect")
+        if self._status_read_fails([job]):
             return None
-        return self._json(200, job.info(state.owner, behaviour))
+        return self._json(200, job.info(state.owner, state.behaviour))
 
     def _stream_logs(self, job: Job, query: dict[str, list[str]]) -> None:
         self.send_response(200)
@@ -377,12 +464,14 @@ class Handler(BaseHTTPRequestHandler):
         if namespace not in (state.user, *state.orgs):
             return self._error(403, f"You are not allowed to run jobs in namespace {namespace}")
         if job_id is None:
+            state.count("submit")
             return self._submit(namespace)
         job = self._job(namespace, job_id)
         if job is None:
             return None
         if action != "cancel":
             return self._error(405, "Method not allowed")
+        state.count("cancel")
         job.cancel()
         return self._json(200, {})
 
@@ -417,8 +506,12 @@ def main() -> None:
     parser.add_argument("--org", action="append", default=[])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--scheduling-s", type=float, default=0.2)
+    parser.add_argument("--rate-limit", default=None, metavar="N/S", help="at most N /api requests per S seconds")
     args = parser.parse_args()
     server = Server(State(args.token, args.user, args.org, args.workdir, args.scheduling_s))
+    if args.rate_limit:
+        most, window = args.rate_limit.split("/")
+        server.state.behaviour.rate_limit = [int(most), float(window)]
 
     def stop(signum: int, frame: Any) -> None:
         for job in list(server.state.jobs.values()):

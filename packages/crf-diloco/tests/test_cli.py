@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,10 +205,11 @@ def test_cli_builds_the_hf_executor_and_ships_the_script(tmp_path: Path) -> None
     pytest.importorskip("huggingface_hub")
     from crf_diloco.cli import _make_executor, _replica_command, build_parser
     from crf_diloco.executors import HFJobsExecutor, script_command
+    from crf_diloco.executors.torch_env import with_torch_env
 
     args = build_parser().parse_args(
         ["launch", "--executor", "hf", "--replicas", "4", "--uri", "s3://bucket/runs", "--timeout", "7200.5",
-         "--hf-flavor", "a10g-large", "--hf-namespace", "crf-org", "--secret", "AWS_SECRET_ACCESS_KEY",
+         "--crf-source", "index", "--hf-flavor", "a10g-large", "--hf-namespace", "crf-org", "--secret", "AWS_SECRET_ACCESS_KEY",
          "--no-cancel-on-failure", BEHAVE, "--lr", "1"]
     )  # fmt: skip
     executor = _make_executor(args, "s3://bucket/runs")
@@ -218,15 +220,16 @@ def test_cli_builds_the_hf_executor_and_ships_the_script(tmp_path: Path) -> None
     command = _replica_command(args, ["--lr", "1"], "s3://bucket/runs")
     # the replicas install this crf-diloco with the store's extra, then run the shipped script
     assert command[:6] == ["uv", "run", "--no-project", "--with", f"crf-diloco[s3]=={__version__}", "--"]
-    assert command[6:] == script_command(BEHAVE, ["--lr", "1"])
+    assert command[6:] == with_torch_env(script_command(BEHAVE, ["--lr", "1"]))
     args.pip, args.no_pip = None, True
-    assert _replica_command(args, [], "s3://bucket/runs") == script_command(BEHAVE, [])
+    assert _replica_command(args, [], "s3://bucket/runs") == with_torch_env(script_command(BEHAVE, []))
 
 
 def test_cli_builds_the_modal_executor(tmp_path: Path) -> None:
     pytest.importorskip("modal")
     from crf_diloco.cli import _make_executor, _replica_command, build_parser
     from crf_diloco.executors import ModalExecutor, script_command
+    from crf_diloco.executors.torch_env import with_torch_env
 
     args = build_parser().parse_args(
         ["launch", "--executor", "modal", "--replicas", "2", "--uri", "gs://bucket/runs", "--modal-gpu", "H100:2",
@@ -240,7 +243,7 @@ def test_cli_builds_the_modal_executor(tmp_path: Path) -> None:
     assert executor.pip == ("crf-diloco[gcs]", "transformers>=4.50")  # installed into the image, not at start-up
     assert executor.image == "python:3.11"
     assert executor.timeout_s == 86400  # no --timeout: Modal's longest, not its 300 s default
-    assert _replica_command(args, [], "gs://bucket/runs") == script_command(BEHAVE, [])
+    assert _replica_command(args, [], "gs://bucket/runs") == with_torch_env(script_command(BEHAVE, []))
 
 
 @pytest.mark.parametrize(("executor", "module"), [("hf", "huggingface_hub"), ("modal", "modal")])
@@ -248,8 +251,11 @@ def test_cli_cloud_executor_without_its_sdk_exits_2_naming_the_extra(
     executor: str, module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.setenv("CRF_DILOCO_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens: the index cannot say
     with pytest.raises(SystemExit) as info:
-        main(["launch", "--executor", executor, "--replicas", "2", "--uri", "s3://b/p", BEHAVE])
+        main(
+            ["launch", "--executor", executor, "--replicas", "2", "--uri", "s3://b/p", "--crf-source", "index", BEHAVE]
+        )
     assert info.value.code == 2
     assert f"pip install 'crf-diloco[{executor}]'" in capsys.readouterr().err
 
@@ -262,3 +268,150 @@ def test_default_requirement_follows_the_store() -> None:
     assert default_requirement("az://c/p") == f"crf-diloco[azure]=={__version__}"
     assert default_requirement("hf://buckets/me/b") == f"crf-diloco[hf]=={__version__}"
     assert default_requirement("/mnt/shared") == f"crf-diloco=={__version__}"
+
+
+REPLICA_SCRIPTS = Path(__file__).parent / "replica_scripts"
+
+
+def test_cli_exports_torchruns_variables_for_a_one_process_world_per_replica(tmp_path: Path) -> None:
+    names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"]
+    show = [arg for name in names for arg in ("--show-env", name)]
+    env = {**os.environ, "RANK": "7", "WORLD_SIZE": "9"}  # a launcher inside another job must not leak its world
+    proc = subprocess.run(
+        [sys.executable, "-m", "crf_diloco", "launch", "--replicas", "2", "--uri", "store", BEHAVE, *show],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    ports = set()
+    for rank in (0, 1):
+        record = json.loads(rank_lines(proc.stdout, rank)[0])
+        assert record["rank"] == rank  # the replica's rank is CRF_DILOCO_RANK ...
+        seen = record["env"]
+        # ... and torchrun's variables describe the replica's own one-process torch.distributed world
+        assert {k: seen[k] for k in names[:5]} == {
+            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"
+        }  # fmt: skip
+        assert seen["MASTER_ADDR"] == "127.0.0.1"
+        ports.add(int(seen["MASTER_PORT"]))
+    assert len(ports) == 2  # two replicas on one host do not share a rendezvous port
+
+
+def test_cli_runs_a_module_with_dash_m(tmp_path: Path) -> None:
+    proc = launch(
+        "--replicas", "2", "--uri", "store", "--env", f"PYTHONPATH={REPLICA_SCRIPTS}",
+        "-m", "behave", "--lines", "1", "--extra",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        lines = rank_lines(proc.stdout, rank)
+        assert json.loads(lines[0])["extra_argv"] == ["--extra"]
+        assert lines[1] == f"line 0 of rank {rank}"
+
+
+def test_cli_runs_a_program_with_no_python(tmp_path: Path) -> None:
+    proc = launch(
+        "--replicas", "2", "--uri", "store", "--no-python", "sh", "-c", 'echo "replica $CRF_DILOCO_RANK of $WORLD_SIZE"',
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert rank_lines(proc.stdout, 0) == ["replica 0 of 1"]
+    assert rank_lines(proc.stdout, 1) == ["replica 1 of 1"]
+
+
+@pytest.mark.integration
+def test_cli_wraps_a_two_process_torchrun_replica_on_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    env = {**os.environ, "PATH": f"{torchrun.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "crf_diloco", "launch", "--replicas", "2", "--uri", "store", "--timeout", "300",
+         "--no-python", "torchrun", "--nproc-per-node", "2", str(REPLICA_SCRIPTS / "torchrun_replica.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=330, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for replica in (0, 1):
+        records = sorted(
+            (json.loads(line) for line in rank_lines(proc.stdout, replica) if line.startswith("{")),
+            key=lambda r: r["RANK"],
+        )
+        assert [r["RANK"] for r in records] == ["0", "1"]  # torchrun's own ranks inside the replica
+        for worker, record in enumerate(records):
+            assert record["CRF_DILOCO_RANK"] == str(replica)  # the replica's rank survives torchrun
+            assert record["CRF_DILOCO_WORLD_SIZE"] == "2"
+            assert (record["WORLD_SIZE"], record["LOCAL_RANK"], record["LOCAL_WORLD_SIZE"]) == ("2", str(worker), "2")
+            assert (record["dist_rank"], record["dist_world_size"]) == (worker, 2)
+            # the all-reduce summed this replica's two workers only: (10r + 1) + (10r + 2)
+            assert record["sum"] == 20 * replica + 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.py"], "crf-diloco launch: error: script 'missing.py' is not a file"),
+        (["-m", "not a/module"], "crf-diloco launch: error: -m 'not a/module' is not a module name"),
+        (["--no-python", "no-such-program-crf"], "program 'no-such-program-crf' is not found on PATH"),
+        (["-m", "--no-python", "x"], "not allowed with argument"),
+        (["--env", "RANK=3", BEHAVE], "--env must not set ['RANK']"),
+        (["--env", "MASTER_PORT=1", BEHAVE], "--env must not set ['MASTER_PORT']"),
+    ],
+)  # fmt: skip
+def test_cli_launch_errors_name_the_subcommand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "--replicas", "2", "--uri", "store", *args])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert message in err
+    assert "crf-diloco launch: error:" in err
+    assert "[rank" not in out
+
+
+def test_cli_ships_this_checkouts_wheel_when_the_index_lacks_this_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("huggingface_hub")
+    if shutil.which("uv") is None:
+        pytest.skip("uv is not on PATH (pip install uv)")
+    from crf_diloco.cli import _replica_command, _shipped_wheels, build_parser
+    from crf_diloco.executors.wheels import LOADER
+
+    monkeypatch.setenv("CRF_DILOCO_INDEX_URL", "http://127.0.0.1:9/simple")
+    args = build_parser().parse_args(["launch", "--executor", "hf", "--replicas", "2", "--uri", "s3://b/p", BEHAVE])
+    wheels = _shipped_wheels(args)
+    assert [w.name for w in wheels] == [f"crf_diloco-{__version__}-py3-none-any.whl"]
+    assert "is not known to be on the package index http://127.0.0.1:9/simple" in capsys.readouterr().err
+    command = _replica_command(args, [], "s3://b/p", wheels)
+    assert command[:4] == ["python", "-c", LOADER, wheels[0].name]
+    rest = command[command.index("--") + 1 :]
+    assert rest[:6] == ["uv", "run", "--no-project", "--with", f"crf-diloco[s3]=={__version__}", "--"]
+    assert all(len(arg) < 128 * 1024 for arg in command)  # each argument fits Linux's limit
+    args = build_parser().parse_args(
+        ["launch", "--executor", "hf", "--replicas", "2", "--uri", "s3://b/p", "--crf-source", "index", BEHAVE]
+    )
+    assert _shipped_wheels(args) == []
+    with pytest.raises(SystemExit):
+        main(["launch", "--replicas", "2", "--uri", "s3://b/p", "--crf-source", "workspace", BEHAVE])
+    assert "--crf-source needs --executor hf or modal" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "launch",
+                "--executor",
+                "hf",
+                "--replicas",
+                "2",
+                "--uri",
+                "x",
+                "--pip",
+                "y",
+                "--crf-source",
+                "index",
+                BEHAVE,
+            ]
+        )
+    assert "--crf-source applies to the default requirement only" in capsys.readouterr().err

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import http.server
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
@@ -317,3 +322,106 @@ def test_ray_executor_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
     with pytest.raises(ImportError, match=r"pip install 'crf-diloco\[ray\]'"):
         RayExecutor()
+
+
+# -- the workspace's own wheel, for cloud replicas before a release ------------------------------------------------
+
+
+class _Index(http.server.BaseHTTPRequestHandler):
+    """A PEP 691 simple index on 127.0.0.1 answering what ``answers`` says per path."""
+
+    answers: ClassVar[dict[str, tuple[int, bytes]]] = {}
+
+    def do_GET(self) -> None:
+        status, body = self.answers.get(self.path, (404, b"Not Found"))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def simple_index() -> Iterator[tuple[str, dict[str, tuple[int, bytes]]]]:
+    answers: ClassVar[dict[str, tuple[int, bytes]]] = {}
+    handler = type("Index", (_Index,), {"answers": answers})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/simple", answers
+    finally:
+        server.shutdown()
+
+
+def test_index_has_reads_the_json_simple_api(simple_index: tuple[str, dict[str, tuple[int, bytes]]]) -> None:
+    from crf_diloco.executors.wheels import index_has
+
+    url, answers = simple_index
+    assert index_has("crf-diloco", "0.1.0", index=url) is False  # 404: the project is not there at all
+    answers["/simple/crf-diloco/"] = (200, json.dumps({"versions": ["0.0.9", "0.1.0"], "files": []}).encode())
+    assert index_has("crf-diloco", "0.1.0", index=url) is True
+    assert index_has("crf-diloco", "0.2.0", index=url) is False
+    files = [{"filename": "crf_diloco-0.2.0-py3-none-any.whl"}]
+    answers["/simple/crf-diloco/"] = (200, json.dumps({"files": files}).encode())  # no PEP 700 "versions"
+    assert index_has("crf-diloco", "0.2.0", index=url) is True
+    answers["/simple/crf-diloco/"] = (200, b"<html>not json</html>")
+    assert index_has("crf-diloco", "0.1.0", index=url) is None  # no clear answer: the caller ships the wheel
+    answers["/simple/crf-diloco/"] = (503, b"")
+    assert index_has("crf-diloco", "0.1.0", index=url) is None
+    assert index_has("crf-diloco", "0.1.0", index="http://127.0.0.1:9/simple", timeout=2) is None
+
+
+def test_index_url_follows_the_installers_settings() -> None:
+    from crf_diloco.executors.wheels import DEFAULT_INDEX, index_url
+
+    assert index_url({}) == DEFAULT_INDEX
+    assert index_url({"PIP_INDEX_URL": "https://mirror/simple/"}) == "https://mirror/simple"
+    assert (
+        index_url({"UV_DEFAULT_INDEX": "https://a/simple", "PIP_INDEX_URL": "https://b/simple"}) == "https://a/simple"
+    )
+    assert (
+        index_url({"CRF_DILOCO_INDEX_URL": "http://c/simple", "UV_DEFAULT_INDEX": "https://a/simple"})
+        == "http://c/simple"
+    )
+
+
+def test_with_wheels_delivers_the_wheel_byte_for_byte_on_the_find_links(tmp_path: Path) -> None:
+    from crf_diloco.executors.wheels import CHUNK_CHARS, with_wheels
+
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    payload = os.urandom(200 * 1024)  # incompressible, bigger than one argument may be
+    wheel.write_bytes(payload)
+    probe = (
+        "import hashlib,os,sys;d=os.environ['UV_FIND_LINKS'].split(',')[0];"
+        "print((os.listdir(d), hashlib.sha256(open(os.path.join(d,'demo-1.0-py3-none-any.whl'),'rb').read()).hexdigest(),"
+        " os.environ['UV_FIND_LINKS'].split(',')[1:], os.environ['PIP_FIND_LINKS'].split(' ')[0] == d, sys.argv[1:]))"
+    )
+    command = with_wheels([wheel], [sys.executable, "-c", probe, "a", "--", "b"], python=sys.executable)
+    assert max(len(a) for a in command) <= CHUNK_CHARS + 1024
+    env = {**os.environ, "UV_FIND_LINKS": "/srv/other"}
+    env.pop("PIP_FIND_LINKS", None)
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == str(
+        (["demo-1.0-py3-none-any.whl"], hashlib.sha256(payload).hexdigest(), ["/srv/other"], True, ["a", "--", "b"])
+    )
+    with pytest.raises(ValueError, match="is not a wheel file"):
+        with_wheels([tmp_path / "missing.whl"], ["true"])
+
+
+def test_workspace_wheel_is_built_from_this_checkout(tmp_path: Path) -> None:
+    if shutil.which("uv") is None:
+        pytest.skip("uv is not on PATH (pip install uv)")
+    import zipfile
+
+    from crf_diloco import __version__
+    from crf_diloco.executors.wheels import source_tree, workspace_wheel
+
+    if source_tree() is None:
+        pytest.skip("crf-diloco is installed from a wheel here, not from a checkout")
+    wheel = workspace_wheel(tmp_path)
+    assert wheel.name == f"crf_diloco-{__version__}-py3-none-any.whl"
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "crf_diloco/executors/wheels.py" in names

@@ -63,6 +63,9 @@ class JobsServer:
     def behave(self, **knobs: Any) -> None:
         self._call("POST", "/_fake/behaviour", knobs)
 
+    def stats(self) -> dict[str, int]:
+        return self._call("GET", "/_fake/stats")
+
     def kill(self, job_id: str) -> None:
         self._call("POST", f"/_fake/jobs/{job_id}/kill", {})
 
@@ -309,7 +312,7 @@ def test_hf_jobs_uv_script_runs_through_run_uv_job(
         ({"secrets": {"BAD NAME": "x"}}, ValueError, "environment variable names"),
         ({"secrets": {"TOKEN": ""}}, ValueError, "non-empty strings"),
         ({"secret_env": "AWS_SECRET_ACCESS_KEY"}, TypeError, "list of variable names"),
-        ({"labels": {"a/b": "c"}}, ValueError, "labels must be short"),
+        ({"labels": {"a/b": "c"}}, ValueError, "the Hub refuses the label"),
         ({"poll_interval_s": -1}, ValueError, "poll_interval_s"),
         ({"cancel_on_failure": "yes"}, TypeError, "cancel_on_failure must be a bool"),
         ({"tail_lines": 0}, ValueError, "tail_lines"),
@@ -364,15 +367,14 @@ def test_adversarial_unknown_stage_counts_as_running_until_the_deadline(
 def test_adversarial_garbage_status_loses_contact_and_cancels_everything(
     jobs_server: JobsServer, make_executor: Callable[..., HFJobsExecutor]
 ) -> None:
-    jobs_server.behave(garbage_inspect=[0])
+    jobs_server.behave(garbage_inspect=[0])  # one listing serves every job's stage: the garbage reaches them all
     executor = make_executor(lost_contact_s=1.0, cancel_grace_s=5.0)
     results = run_replicas(executor, behave("--sleep", "120"), world_size=2, uri="memory://x", timeout=60)
-    assert results[0].returncode is None
-    assert results[0].error is not None
-    assert results[0].error.startswith("lost contact with the backend for ")
-    assert "last error" in results[0].error
-    assert results[1].error is not None
-    assert results[1].error.startswith("cancelled after rank 0 failed")
+    for result in results:
+        assert result.returncode is None
+        assert result.error is not None
+        assert result.error.startswith("lost contact with the backend for ")
+        assert "last error" in result.error
     jobs_server.wait_for(lambda jobs: [j["stage"] for j in jobs] == ["CANCELED", "CANCELED"])
 
 
@@ -540,3 +542,145 @@ def test_cli_launch_hf_trains_diloco_through_the_jobs_endpoint_and_s3(
         assert spec["environment"]["AWS_ENDPOINT_URL"] == moto_s3["endpoint"]
         assert spec["timeoutSeconds"] == 400
     assert s3_secret not in proc.stdout + proc.stderr
+
+
+# -- within the Hub's rules: rate limits, labels ------------------------------------------------------------------
+
+
+def test_hf_jobs_a_rate_limited_run_of_8_replicas_completes_with_every_log_line(
+    jobs_server: JobsServer, make_executor: Callable[..., HFJobsExecutor]
+) -> None:
+    """The old executor read each job's stage every poll: 8 jobs at 0.1 s = 80 requests/s, cancelled as 'lost'."""
+    jobs_server.behave(rate_limit=[12, 2])  # 12 requests per 2 s for everything: submissions, listings, log streams
+    lines: dict[int, list[str]] = {}
+    executor = make_executor(lost_contact_s=5.0)  # 429s must not count as lost contact, however long they last
+    results = run_replicas(
+        executor,
+        behave("--lines", "3", "--sleep", "3"),
+        world_size=8,
+        uri="memory://x",
+        timeout=240,
+        on_output=lambda rank, stream, line: lines.setdefault(rank, []).append(line),
+    )
+    assert all(r.ok for r in results), [r.describe() for r in results]
+    stats = jobs_server.stats()
+    assert stats.get("429", 0) > 0  # the limit was hit, and ridden out
+    assert stats.get("inspect", 0) <= 2 * 8  # stages come from listings (the client's log stream inspects at its end)
+    assert stats.get("cancel", 0) == 0
+    for rank in range(8):
+        body = sorted(line for line in lines[rank] if not line.startswith("{"))  # one merged log: order may vary
+        assert body == sorted([f"stderr line of rank {rank}", *(f"line {i} of rank {rank}" for i in range(3))])
+    assert [j["stage"] for j in jobs_server.jobs()] == ["COMPLETED"] * 8
+
+
+def test_hf_jobs_a_log_stream_cut_by_429s_resumes_without_repeating_lines(
+    jobs_server: JobsServer, make_executor: Callable[..., HFJobsExecutor]
+) -> None:
+    jobs_server.behave(rate_limit=[4, 3])  # the log stream's own job-status checks and reopenings hit the limit
+    lines: list[str] = []
+    results = run_replicas(
+        make_executor(poll_interval_s=1.0, lost_contact_s=5.0),
+        behave("--lines", "20", "--sleep", "2"),
+        world_size=1,
+        uri="memory://x",
+        timeout=240,
+        on_output=lambda rank, stream, line: lines.append(line),
+    )
+    assert results[0].ok, results[0].describe()
+    numbered = [line for line in lines if line.startswith("line ")]
+    assert numbered == [f"line {i} of rank 0" for i in range(20)]  # each once, in order
+    assert jobs_server.stats().get("429", 0) > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "run_id"),
+    [
+        ({}, "run.with.dots"),  # the run id becomes the job name and a label
+        ({"labels": {"team": "ml", "name": "my-job"}}, "v1.2-run"),
+    ],
+)
+def test_hf_jobs_a_run_id_the_hub_refuses_as_a_label_is_refused_before_any_job_starts(
+    jobs_server: JobsServer, make_executor: Callable[..., HFJobsExecutor], options: dict[str, Any], run_id: str
+) -> None:
+    with pytest.raises(ValueError, match=r"the Hub refuses the label .*no '\.'"):
+        make_executor(**options).launch_replicas(behave(), world_size=3, uri="memory://x", run_id=run_id)
+    assert jobs_server.jobs() == []
+
+
+@pytest.mark.parametrize(
+    "labels", [{"team.name": "ml"}, {"team": "ml.v2"}, {"": "x"}, {"team": "a b"}, {"team": "a/b"}]
+)
+def test_hf_jobs_labels_the_hub_refuses_are_refused_by_the_executor(labels: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="the Hub refuses the label"):
+        HFJobsExecutor(labels=labels, token=TOKEN, endpoint="http://127.0.0.1:9")
+
+
+def test_hf_jobs_server_refuses_what_the_hub_refuses(jobs_server: JobsServer) -> None:
+    """The stand-in is only worth its tests if it refuses what the Hub does: bad labels, flavours, timeouts."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi(endpoint=jobs_server.url, token=TOKEN)
+    for bad in ({"labels": {"a.b": "c"}}, {"flavor": "a100-huge"}, {"timeout": 0.5}):
+        with pytest.raises(HfHubHTTPError) as info:
+            api.run_job(image="python:3.12", command=["true"], namespace=USER, **bad)
+        assert info.value.response.status_code == 400
+    info = api.run_job(image="python:3.12", command=["true"], namespace=USER, flavor="rtx-pro-6000")
+    assert info.flavor == "rtx-pro-6000"  # a flavour huggingface_hub 2.4 knows
+    jobs_server.behave(rate_limit=[1, 60])
+    api.whoami()
+    with pytest.raises(HfHubHTTPError) as limited:
+        api.inspect_job(job_id=info.id, namespace=USER)
+    assert limited.value.response.status_code == 429
+    assert 1 <= int(limited.value.response.headers["Retry-After"]) <= 60
+
+
+def test_cli_launch_hf_before_a_release_ships_the_workspace_wheel_and_the_job_installs_it(
+    jobs_server: JobsServer, tmp_path: Path
+) -> None:
+    """The documented ``crf-diloco launch --executor hf`` with the default ``--pip``, while crf-diloco is on no index.
+
+    The launcher asks the index (a 127.0.0.1 one that lacks crf-diloco), builds this checkout's wheel, packs it into
+    the job command; the job's ``uv run --with crf-diloco==<version>`` installs that wheel (its dependencies from
+    uv's cache: ``UV_OFFLINE=1``, nothing leaves this machine) and the shipped script imports it.
+    """
+    if shutil.which("uv") is None:
+        pytest.skip("uv is not on PATH (pip install uv)")
+    from crf_diloco import __version__
+
+    index = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 to all
+    threading.Thread(target=index.serve_forever, daemon=True).start()
+    script = tmp_path / "which_crf.py"
+    script.write_text(
+        "import os, sys, crf_diloco\n"
+        "print('crf-diloco', crf_diloco.__version__, 'from', os.path.dirname(crf_diloco.__file__), sys.prefix)\n"
+    )
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": jobs_server.url,
+        "HF_TOKEN": TOKEN,
+        "CRF_DILOCO_INDEX_URL": f"http://127.0.0.1:{index.server_address[1]}/simple",
+    }
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "crf_diloco", "launch", "--executor", "hf", "--replicas", "2", "--uri",
+             "memory://wheel", "--run-id", "wheel-run", "--timeout", "300", "--env", "UV_OFFLINE=1", str(script)],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=360,
+        )  # fmt: skip
+    finally:
+        index.shutdown()
+    if proc.returncode != 0 and "offline" in proc.stdout.lower():
+        pytest.skip(f"uv's cache lacks crf-diloco's dependencies for an offline install: {proc.stdout[-500:]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the replicas get this checkout's wheel (uv build)" in proc.stderr
+    src = str(Path(__file__).parents[1] / "src")
+    for rank in (0, 1):
+        (line,) = [x for x in proc.stdout.splitlines() if x.startswith(f"[rank {rank}] crf-diloco ")]
+        assert line.startswith(f"[rank {rank}] crf-diloco {__version__} from ")
+        assert src not in line  # installed into the job's environment from the shipped wheel, not this checkout
+    for job in jobs_server.jobs():
+        command = job["spec"]["command"]
+        assert command[:2] == ["python", "-c"]
+        assert command[3] == f"crf_diloco-{__version__}-py3-none-any.whl"
+        rest = command[command.index("--") + 1 :]
+        assert rest[:6] == ["uv", "run", "--no-project", "--with", f"crf-diloco=={__version__}", "--"]

@@ -3,7 +3,10 @@ run for real (child processes), argument and secret plumbing, and the mapping of
 
 What needs Modal's service (running the app, spawning calls in containers, the queue, cancellation on Modal) is
 replaced by `ThreadSession`: each spawned call runs the real function body (``Function.local``) on a thread, and a
-cancel raises ``modal.exception.InputCancellation`` in it, as Modal does in a container. A live Modal run is the
+cancel raises ``modal.exception.InputCancellation`` in it, as Modal does in a container; the caller's ``get`` then
+raises ``modal.exception.RemoteError``, as the real client does for a call whose result is TERMINATED (it never
+raises ``InputCancellation``: that exists only in the container). A preemption kills an attempt the same way and runs
+the body again, as Modal reschedules a preempted input. A live Modal run is the
 remaining check (docs/packages/crf-diloco.md, "Modal").
 """
 
@@ -17,6 +20,7 @@ import pickle
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,6 +74,28 @@ class LocalQueue:
         return items
 
 
+class LocalDict:
+    """``modal.Dict``'s ``put``/``get`` on a dict."""
+
+    def __init__(self) -> None:
+        self._d: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: Any, value: Any, *, skip_if_exists: bool = False) -> bool:
+        with self._lock:
+            if skip_if_exists and key in self._d:
+                return False
+            self._d[key] = value
+            return True
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._d.get(key, default)
+
+
+class Preempted(BaseException):
+    """Raised in an attempt's thread to kill it the way a preemption kills its container."""
+
+
 class ThreadCall:
     """A spawned call running the real function body on a thread; ``get``/``cancel`` as ``modal.FunctionCall``."""
 
@@ -79,30 +105,45 @@ class ThreadCall:
         self._done = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(function, args), daemon=True)
-        self._thread.start()
+        self._function, self._args = function, args
+        self._thread = self._start()
 
-    def _run(self, function: Any, args: tuple[Any, ...]) -> None:
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
         try:
-            self._value = function.local(*args)
+            self._value = self._function.local(*self._args)
+        except Preempted:
+            return  # Modal reschedules the input: `preempt` starts the next attempt
         except BaseException as exc:
             self._error = exc
-        finally:
-            self._done.set()
+        self._done.set()
 
     def get(self, timeout: float | None = None) -> Any:
         if not self._done.wait(timeout):
             raise TimeoutError()
+        if isinstance(self._error, modal.exception.InputCancellation):
+            raise modal.exception.RemoteError("Function call was terminated")  # what the client sees of TERMINATED
         if self._error is not None:
             raise self._error
         return self._value
 
+    def _raise_in_thread(self, exc: type[BaseException]) -> None:
+        if not self._done.is_set() and self._thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread.ident), ctypes.py_object(exc))
+
     def cancel(self, terminate_containers: bool = False) -> None:
         self.cancelled_with = terminate_containers
-        if not self._done.is_set() and self._thread.ident is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self._thread.ident), ctypes.py_object(modal.exception.InputCancellation)
-            )
+        self._raise_in_thread(modal.exception.InputCancellation)
+
+    def preempt(self) -> None:
+        """Kill the running attempt (its command is stopped as on a cancel), then run the input again."""
+        self._raise_in_thread(Preempted)
+        self._thread.join(30)
+        self._thread = self._start()
 
 
 class ThreadSession:
@@ -115,16 +156,16 @@ class ThreadSession:
         self.closed = threading.Event()
         self.fail_spawn_at: int | None = None
 
-    def open(self, app: Any, *, show_output: bool, log_queue: bool) -> tuple[contextlib.ExitStack, Any]:
+    def open(self, app: Any, *, show_output: bool, log_queue: bool) -> tuple[contextlib.ExitStack, Any, Any]:
         self.apps.append(app)
         stack = contextlib.ExitStack()
         stack.callback(self.closed.set)
-        return stack, LocalQueue() if log_queue else None
+        return stack, LocalQueue() if log_queue else None, LocalDict()
 
     def spawn(self, function: Any, *args: Any) -> ThreadCall:
         if self.fail_spawn_at == len(self.calls):
             raise modal.exception.ExecutionError(f"no capacity for {RUN_SECRET}")
-        pickle.loads(pickle.dumps(args[:4] + args[5:]))  # Modal pickles the arguments: they must survive it
+        pickle.loads(pickle.dumps(args[:4] + args[5:7]))  # Modal pickles the arguments: they must survive it
         self.spawned.append(args)
         call = ThreadCall(function, args, len(self.calls))
         self.calls.append(call)
@@ -362,11 +403,13 @@ class ScriptedCall:
         self.cancelled = True
 
 
-def scripted(outcome: Any, secrets: ReplicaSecrets | None = None) -> _ModalCall:
+def scripted(outcome: Any, secrets: ReplicaSecrets | None = None, *, cancelled: bool = False) -> _ModalCall:
     launch = _ModalLaunch(
         modal=modal, stack=contextlib.ExitStack(), drain=None, secrets=secrets or ReplicaSecrets(), timeout_s=600
     )
-    return _ModalCall(launch, 1, ScriptedCall(outcome))
+    call = _ModalCall(launch, 1, ScriptedCall(outcome))
+    call.cancel_requested = cancelled
+    return call
 
 
 GOOD = {"rank": 1, "returncode": 0, "duration_s": 2.5, "stdout_tail": "done", "stderr_tail": "", "timed_out": False,
@@ -381,7 +424,6 @@ GOOD = {"rank": 1, "returncode": 0, "duration_s": 2.5, "stdout_tail": "done", "s
         (modal.exception.FunctionTimeoutError("Task's current input hit its timeout of 600s"),
          "Modal stopped it at the function timeout of 600 s (Task's current input hit its timeout of 600s)", True),
         (modal.exception.OutputExpiredError(), "Modal no longer holds the result of this call (it expired)", False),
-        (modal.exception.InputCancellation(), "the call was cancelled on Modal", False),
         (modal.exception.RemoteError("container crashed"),
          "the replica's Modal call failed (RemoteError: container crashed)", False),
         (modal.exception.InternalFailure("worker lost"),
@@ -399,6 +441,42 @@ def test_modal_outcomes_map_to_replica_results(outcome: Any, error: str | None, 
     assert result.ok is (error is None)
     if error is None:
         assert (result.returncode, result.duration_s, result.stdout_tail) == (0, 2.5, "done")
+
+
+def test_modal_a_cancelled_call_is_the_remote_error_of_its_terminated_result() -> None:
+    """The client raises ``RemoteError`` for a TERMINATED result (modal/_utils/function_utils.py, _process_result)."""
+    terminated = modal.exception.RemoteError("Function call was terminated")
+    result = scripted(terminated, cancelled=True).poll()
+    assert result is not None
+    assert result.error == "the call was cancelled on Modal"
+    result = scripted(terminated).poll()  # not cancelled by the launcher: a failure, said as it is
+    assert result is not None
+    assert result.error == "the replica's Modal call failed (RemoteError: Function call was terminated)"
+
+
+def test_modal_a_preempted_replica_is_not_rerun_and_says_it_was_restarted(
+    session: ThreadSession, make_executor: Callable[..., ModalExecutor], tmp_path: Path
+) -> None:
+    executor = make_executor(cancel_on_failure=False)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    handles = executor.launch_replicas(
+        behave("--pidfile-dir", str(marks), "--sleep", "2"), world_size=2, uri="memory://m"
+    )
+    deadline = time.monotonic() + 60
+    while not (marks / "rank1.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first_pid = int((marks / "rank1.pid").read_text())
+    (marks / "rank1.pid").unlink()
+    session.calls[1].preempt()  # Modal kills rank 1's container and reschedules its input
+    results = executor.collect(handles, timeout=120)
+    assert results[0].ok
+    assert not results[1].ok
+    assert results[1].error is not None
+    assert results[1].error.startswith("Modal restarted replica 1 (its input was preempted")
+    assert "it was not run again" in results[1].error
+    assert not (marks / "rank1.pid").exists()  # the command did not start a second time
+    assert not pid_alive(first_pid)  # and the first attempt's command was stopped with its container
 
 
 @pytest.mark.parametrize("still_running", [TimeoutError(), modal.exception.TimeoutError()])
@@ -495,7 +573,7 @@ def test_adversarial_failed_spawn_stops_the_app_and_masks_the_message(
 
 def test_adversarial_app_that_cannot_start_spawns_nothing(make_executor: Callable[..., ModalExecutor]) -> None:
     class NoAuth(ThreadSession):
-        def open(self, app: Any, *, show_output: bool, log_queue: bool) -> tuple[contextlib.ExitStack, Any]:
+        def open(self, app: Any, *, show_output: bool, log_queue: bool) -> tuple[contextlib.ExitStack, Any, Any]:
             raise modal.exception.AuthError(f"token {RUN_SECRET} rejected")
 
     executor = make_executor(secrets={"CRF_DILOCO_SECRET": RUN_SECRET})
@@ -504,3 +582,17 @@ def test_adversarial_app_that_cannot_start_spawns_nothing(make_executor: Callabl
         RuntimeError, match=r"cannot start the Modal app 'crf-diloco' \(AuthError: token \*\*\* rejected\)"
     ):
         executor.launch_replicas(behave(), world_size=2, uri="memory://m")
+
+
+def test_modal_image_carries_shipped_wheels_as_pips_find_links(tmp_path: Path) -> None:
+    from crf_diloco.executors.modal import WHEEL_DIR
+
+    wheel = tmp_path / "crf_diloco-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK")
+    executor = ModalExecutor(pip=["crf-diloco[s3]==0.1.0"], wheels=[str(wheel)])
+    assert executor.wheels == (str(wheel),)
+    executor.build_image()  # Modal checks the local file and the build steps here
+    assert WHEEL_DIR.startswith("/")
+    for bad in ([str(tmp_path / "missing.whl")], [str(tmp_path)], str(wheel)):
+        with pytest.raises(ValueError, match=r"wheels must be a list of paths of existing \.whl files"):
+            ModalExecutor(wheels=bad)  # type: ignore[arg-type]

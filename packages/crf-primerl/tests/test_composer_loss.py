@@ -551,15 +551,28 @@ def test_cuda_matches_cpu(make_sample: Any) -> None:
         torch.testing.assert_close(on_cuda.metrics[key].cpu(), value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_all_zero_filler_teacher_is_skipped_by_teacher_channels(make_sample: Any) -> None:
-    # PRIME-RL (from 0be5ac4) fills ref_logprobs with 0.0 for samples without a reference in a mixed micro-batch.
+def test_all_zero_filler_teacher_is_refused_when_a_teacher_channel_is_on(make_sample: Any) -> None:
+    """PRIME-RL (from 0be5ac4) fills ref_logprobs with 0.0 for samples without a reference in a mixed micro-batch:
+    a teacher channel there would silently do nothing, so it is an error that says so."""
     sample = make_sample(seq=100, seed=4)
     filler = torch.zeros(100, dtype=torch.float64)
     filler[:5] = -1.0  # prompt positions do not count: only the loss mask decides
     sample["ref_logprobs"] = filler
-    gated = loss_fn(_inputs(sample), teacher_tau=0.5, teacher_weight=1.0)
+    for knobs in ({"teacher_weight": 1.0}, {"teacher_tau": 0.5}):
+        with pytest.raises(ValueError, match=r"0\.0 on every loss-mask token.*filler.*type = \"opd\""):
+            loss_fn(_inputs(sample), **knobs)
+    # With the teacher channels off the filler is harmless: the loss is the plain one.
     plain = loss_fn(_inputs({k: v for k, v in sample.items() if k != "ref_logprobs"}))
-    torch.testing.assert_close(gated.loss, plain.loss, rtol=0, atol=0)
+    torch.testing.assert_close(loss_fn(_inputs(sample)).loss, plain.loss, rtol=0, atol=0)
+    # A sample with no loss-mask token at all has nothing for the teacher to do: not an error.
+    empty = dict(sample, loss_mask=torch.zeros(100, dtype=torch.bool))
+    assert loss_fn(_inputs(empty), teacher_weight=1.0).loss.item() == 0.0
     # A real teacher on the same sample moves the loss.
     sample["ref_logprobs"] = make_sample(seq=100, seed=4, teacher=True)["teacher_logprobs"]
     assert not torch.equal(loss_fn(_inputs(sample), teacher_weight=1.0).loss, plain.loss)
+
+
+def test_missing_teacher_error_says_what_works_at_prime_rl_head(make_sample: Any) -> None:
+    """A GRPO run at prime-rl HEAD never carries ref_logprobs into the rl loss: the error names prime-rl's opd."""
+    with pytest.raises(ValueError, match=r"is None.*only the 'opd'/'opsd' algorithms fill ref_logprobs"):
+        loss_fn(_inputs(make_sample(seq=20)), teacher_weight=0.5)

@@ -24,6 +24,11 @@ from torch import Tensor
 import crf_primerl.composer_loss as composer_loss
 from crf_primerl.composer_loss import LOSS_KWARGS, LossInputs, LossOutputs, loss_fn
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency tomli is the same parser
+    import tomli as tomllib
+
 CONTRACT = json.loads((Path(__file__).parent / "fixtures" / "prime_rl_loss_contract.json").read_text())
 GENERATIONS = sorted(CONTRACT["generations"])
 
@@ -137,3 +142,32 @@ def test_import_is_fast_and_light() -> None:
     heavy = {"transformers", "trl", "numpy", "pandas", "prime_rl", "crf_core", "difflib", "jaxtyping", "beartype"}
     assert not {m.split(".")[0] for m in new_modules} & heavy, sorted(new_modules)
     assert float(seconds_line) < 0.25, f"import took {float(seconds_line):.3f} s"
+
+
+def test_head_config_format_selects_this_loss(make_sample: Any) -> None:
+    """prime-rl HEAD's ``[trainer.loss] type = "custom"``, ``import_path``, ``[trainer.loss.kwargs]`` (a fixture TOML):
+    the table has exactly the fields of HEAD's ``CustomLossConfig``, the path resolves as ``import_object`` does,
+    the kwargs are ``loss_fn`` keywords, and the run with them reproduces the defaults bit for bit."""
+    config = tomllib.loads((Path(__file__).parent / "fixtures" / "prime_rl_head_rl.toml").read_text())
+    loss = config["trainer"]["loss"]
+    assert loss["type"] == CONTRACT["custom_loss_config"]["type"] == "custom"
+    assert set(loss) - {"type"} == set(CONTRACT["custom_loss_config"]["fields"])
+    module_name, _, attr = loss["import_path"].rpartition(".")
+    custom_fn = getattr(importlib.import_module(module_name), attr)
+    assert custom_fn is loss_fn
+    assert set(loss["kwargs"]) <= set(LOSS_KWARGS)
+    head = CONTRACT["generations"]["head"]
+    assert head["commit"].startswith("559b447")
+    specs = head["loss_inputs"]
+    upstream_cls = dataclasses.make_dataclass(
+        "LossInputs",
+        [(s["name"], Any, dataclasses.field(default=None)) if s["has_default"] else (s["name"], Any) for s in specs],
+    )
+    sample = make_sample(seq=96, seed=3)
+    inputs = upstream_cls(*(sample.get(s["name"]) for s in specs if not s["has_default"]))  # a GRPO run: ref None
+    configured = custom_fn(inputs, **loss["kwargs"])  # what HEAD's setup_rl_loss_fn does: custom_fn(inputs, **kwargs)
+    default = loss_fn(inputs)
+    assert torch.equal(configured.loss, default.loss)
+    # teacher distillation at HEAD is prime-rl's own algorithm, not a kwarg of this loss
+    assert config["orchestrator"]["algo"]["type"] == "opd"
+    assert not {"teacher_weight", "teacher_tau"} & set(loss["kwargs"])

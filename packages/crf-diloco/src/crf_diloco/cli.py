@@ -1,18 +1,24 @@
-"""``crf-diloco launch``: start N replicas of a training script that synchronise through an object store.
+"""``crf-diloco launch``: start N replicas of a training command that synchronise through an object store.
 
     crf-diloco launch --replicas N --uri URI [--executor local|ray|hf|modal] [--run-id ID] [--timeout S]
-                      [--env KEY=VALUE ...] [executor options] script.py [args...]
+                      [--env KEY=VALUE ...] [executor options] (script.py | -m MODULE | --no-python PROGRAM) [args...]
 
-Each replica runs ``python script.py args...`` with ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE``,
-``CRF_DILOCO_URI``, ``CRF_DILOCO_RUN_ID`` and ``CRF_DILOCO_SECRET`` set (the script calls
-`ObjectStoreAllReduce.from_env`). The secret authenticates every store object; it is made fresh per launch (never
-printed) unless ``--env CRF_DILOCO_SECRET=...`` or the launcher's environment gives one (to relaunch into a run).
-With ``--executor hf`` or ``modal`` the script travels inside the command (`script_command`), the replicas install
-``--pip`` packages (default: this crf-diloco with the store's extra) and the secret goes through the backend's
-secrets; ``--secret NAME`` sends a variable of this shell as a secret too. Replica output is streamed with a
-``[rank r]`` prefix (stdout to stdout, stderr to stderr); a summary follows on stderr. Exit status: 0 when every
-replica exited 0, 1 when any failed or timed out, 2 on bad arguments, 130/143 when interrupted by SIGINT/SIGTERM
-(the replicas are stopped first).
+Each replica runs ``python script.py args...``, ``python -m MODULE args...`` or (``--no-python``) ``PROGRAM
+args...`` as is, e.g. ``--no-python torchrun --nproc-per-node 2 train.py`` or ``--no-python accelerate launch
+train.py`` for a replica of several processes. Every replica gets ``CRF_DILOCO_RANK``, ``CRF_DILOCO_WORLD_SIZE``,
+``CRF_DILOCO_URI``, ``CRF_DILOCO_RUN_ID`` and ``CRF_DILOCO_SECRET`` (the script calls
+`ObjectStoreAllReduce.from_env`), and torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT`` for the ``torch.distributed`` world inside the replica (one process, unless a
+wrapped torchrun sets its own; see `crf_diloco.executors.torch_env`). The secret authenticates every store
+object; it is made fresh per launch (never printed) unless ``--env CRF_DILOCO_SECRET=...`` or the launcher's
+environment gives one (to relaunch into a run). With ``--executor hf`` or ``modal`` a script travels inside the
+command (`script_command`; a module or program must be in the image or the installed packages), the replicas
+install ``--pip`` packages (default: this crf-diloco with the store's extra; when the package index does not have
+this version, ``--crf-source auto`` ships this checkout's wheel, built with ``uv build``, with the job: see
+`crf_diloco.executors.wheels`) and the secret goes through the backend's secrets; ``--secret NAME`` sends a variable of this shell as a secret too. Replica output is streamed
+with a ``[rank r]`` prefix (stdout to stdout, stderr to stderr); a summary follows on stderr. Errors start with
+``crf-diloco launch:``. Exit status: 0 when every replica exited 0, 1 when any failed or timed out, 2 on bad
+arguments, 130/143 when interrupted by SIGINT/SIGTERM (the replicas are stopped first).
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import shutil
 import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
@@ -37,6 +46,8 @@ from crf_diloco.executors.base import (
     validate_timeout,
 )
 from crf_diloco.executors.script import script_command
+from crf_diloco.executors.torch_env import TORCH_ENV_VARS, with_torch_env
+from crf_diloco.executors.wheels import index_has, index_url, with_wheels, workspace_wheel
 from crf_diloco.layout import validate_name
 
 _SUMMARY_TAIL_LINES = 5
@@ -49,6 +60,7 @@ _EXECUTOR_OPTIONS: dict[str, tuple[str, ...]] = {
     "image": _CLOUD,
     "pip": _CLOUD,
     "no_pip": _CLOUD,
+    "crf_source": _CLOUD,
     "secret": _CLOUD,
     "cancel_on_failure": _CLOUD,
     "hf_flavor": ("hf",),
@@ -59,6 +71,7 @@ _EXECUTOR_OPTIONS: dict[str, tuple[str, ...]] = {
     "modal_secret": ("modal",),
     "modal_app": ("modal",),
 }
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _STORE_EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure", "hf": "hf"}
 
 
@@ -145,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch = commands.add_parser(
         "launch",
         help="start N replicas of a training script wired to one object store",
-        description="Start N replicas of SCRIPT; each gets CRF_DILOCO_RANK/WORLD_SIZE/URI/RUN_ID/SECRET in its environment.",
+        description="Start N replicas of TARGET; each gets CRF_DILOCO_RANK/WORLD_SIZE/URI/RUN_ID/SECRET and torchrun's "
+        "RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT for the torch.distributed world inside "
+        "the replica (RANK=0, WORLD_SIZE=1 unless a wrapped torchrun sets its own; the replica's rank is "
+        "CRF_DILOCO_RANK).",
     )
     launch.add_argument("--replicas", type=_positive_int, required=True, metavar="N", help="number of replicas")
     launch.add_argument("--uri", required=True, help="object-store URI or local folder shared by the replicas")
@@ -170,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cloud.add_argument("--no-pip", action="store_true", default=None, help="install nothing: the image has all")
     cloud.add_argument(
+        "--crf-source",
+        choices=("auto", "index", "workspace"),
+        default=None,
+        help="where the default crf-diloco requirement comes from: the package index, this checkout's wheel "
+        "(uv build, shipped with the job), or auto: the wheel when the index lacks this version (default)",
+    )
+    cloud.add_argument(
         "--secret", action="append", default=[], metavar="NAME", help="send this shell's variable NAME as a secret"
     )
     cloud.add_argument(
@@ -189,8 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--modal-secret", action="append", default=[], metavar="NAME", help="a secret stored in Modal (repeatable)"
     )
     modal.add_argument("--modal-app", default=None, metavar="NAME", help="Modal app name (crf-diloco)")
-    launch.add_argument("script", help="the training script (run by this Python, or shipped to cloud replicas)")
-    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    what = launch.add_mutually_exclusive_group()
+    what.add_argument("-m", dest="module", action="store_true", help="run TARGET as a module: python -m TARGET")
+    what.add_argument(
+        "--no-python",
+        action="store_true",
+        help="run TARGET as a program, not through Python (torchrun, accelerate, a shell script)",
+    )
+    launch.add_argument(
+        "script",
+        metavar="TARGET",
+        help="the training script (run by this Python, or shipped to cloud replicas); a module with -m; "
+        "a program with --no-python",
+    )
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to TARGET")
     return parser
 
 
@@ -201,6 +236,8 @@ def _check_executor_options(args: argparse.Namespace, parser: argparse.ArgumentP
             parser.error(f"--{dest.replace('_', '-')} needs --executor {' or '.join(executors)}")
     if args.no_pip and args.pip:
         parser.error("--pip and --no-pip exclude each other")
+    if args.crf_source and (args.no_pip or args.pip):
+        parser.error("--crf-source applies to the default requirement only (not with --pip or --no-pip)")
 
 
 def default_requirement(uri: str) -> str:
@@ -209,22 +246,73 @@ def default_requirement(uri: str) -> str:
     return f"crf-diloco[{extra}]=={__version__}" if extra else f"crf-diloco=={__version__}"
 
 
-def _replica_command(args: argparse.Namespace, script_args: list[str], uri: str) -> list[str]:
-    """What each replica runs: this interpreter on the script, or (cloud) the script shipped inside the command."""
-    if args.executor not in ("hf", "modal"):
-        return [sys.executable, args.script, *script_args]
-    command = script_command(args.script, script_args)
-    requirements = _requirements(args, uri)
+def _replica_command(
+    args: argparse.Namespace, script_args: list[str], uri: str, wheels: Sequence[Path] = ()
+) -> list[str]:
+    """What each replica runs: the target (script, module or program), with torchrun's variables set first.
+
+    Locally this interpreter runs the script; on a cloud replica the script travels inside the command and the
+    replica's ``python`` runs it (Hugging Face Jobs install the requirements with ``uv run --with``, finding
+    ``wheels``, packed into the command, on the find-links).
+    """
+    cloud = args.executor in _CLOUD
+    python = "python" if cloud else sys.executable
+    if args.no_python:
+        target = [args.script, *script_args]
+    elif args.module:
+        target = [python, "-m", args.script, *script_args]
+    elif cloud:
+        target = script_command(args.script, script_args)
+    else:
+        target = [python, args.script, *script_args]
+    command = with_torch_env(target, python=python)
+    requirements = _requirements(args, uri) if cloud else []
     if args.executor == "hf" and requirements:  # Modal installs them into the image instead
         command = ["uv", "run", "--no-project", *[a for r in requirements for a in ("--with", r)], "--", *command]
+        if wheels:
+            command = with_wheels(wheels, command)
     return command
+
+
+def _shipped_wheels(args: argparse.Namespace) -> list[Path]:
+    """This checkout's crf-diloco wheel when cloud replicas cannot install this version from the index."""
+    if args.executor not in _CLOUD or args.no_pip or args.pip or args.crf_source == "index":
+        return []
+    if args.crf_source != "workspace":
+        found = index_has("crf-diloco", __version__)
+        if found:
+            return []
+        sys.stderr.write(
+            f"crf-diloco launch: crf-diloco {__version__} is {'not' if found is False else 'not known to be'} on the "
+            f"package index {index_url()}; the replicas get this checkout's wheel (uv build)\n"
+        )
+    return [workspace_wheel()]
+
+
+def _check_target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse a target that cannot run: a missing script, a bad module name, a program not on PATH (local executor:
+    elsewhere the program need only exist where the replicas run)."""
+    if args.module:
+        if not _MODULE.match(args.script):
+            parser.error(f"-m {args.script!r} is not a module name (dotted Python identifiers, e.g. pkg.train)")
+    elif args.no_python:
+        if args.executor == "local" and shutil.which(args.script) is None:
+            parser.error(f"--no-python: program {args.script!r} is not found on PATH")
+    elif not os.path.isfile(args.script):
+        parser.error(f"script {args.script!r} is not a file (run a module with -m, a program with --no-python)")
+    owned = sorted({key for key, _ in args.env} & set(TORCH_ENV_VARS))
+    if owned:
+        parser.error(
+            f"--env must not set {owned}: each replica gets torchrun's variables for its own torch.distributed "
+            "world (the replica's rank is CRF_DILOCO_RANK)"
+        )
 
 
 def _requirements(args: argparse.Namespace, uri: str) -> list[str]:
     return [] if args.no_pip else list(args.pip or [default_requirement(uri)])
 
 
-def _make_executor(args: argparse.Namespace, uri: str) -> ServerlessExecutor[Any]:
+def _make_executor(args: argparse.Namespace, uri: str, wheels: Sequence[Path] = ()) -> ServerlessExecutor[Any]:
     """The executor ``--executor`` names, configured from its options (its SDK is imported here)."""
     cancel = {} if args.cancel_on_failure is None else {"cancel_on_failure": args.cancel_on_failure}
     if args.executor == "hf":
@@ -248,6 +336,7 @@ def _make_executor(args: argparse.Namespace, uri: str) -> ServerlessExecutor[Any
             gpu=args.modal_gpu,
             image=args.image,
             pip=_requirements(args, uri),
+            wheels=[str(w) for w in wheels],
             timeout_s=min(args.timeout, MAX_TIMEOUT_S) if args.timeout else MAX_TIMEOUT_S,
             secret_env=args.secret,
             modal_secrets=args.modal_secret,
@@ -280,10 +369,9 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run ``crf-diloco launch``; return the process exit status."""
+    """Run ``crf-diloco launch``; return the process exit status (``parser``: the launch subcommand's)."""
     _check_executor_options(args, parser)
-    if not os.path.isfile(args.script):
-        parser.error(f"script {args.script!r} is not a file")
+    _check_target(args, parser)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -293,17 +381,18 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     run_id = args.run_id or new_run_id()
     try:
-        command = _replica_command(args, script_args, uri)
-        executor = _make_executor(args, uri)
-    except (ImportError, ValueError, TypeError) as exc:  # a missing SDK, an option the executor refuses
+        wheels = _shipped_wheels(args)
+        command = _replica_command(args, script_args, uri, wheels)
+        executor = _make_executor(args, uri, wheels)
+    except (ImportError, ValueError, TypeError, RuntimeError) as exc:  # a missing SDK, a refused option, no wheel
         parser.error(str(exc))
     if args.executor in ("hf", "modal") and "://" not in args.uri:
         sys.stderr.write(
-            f"crf-diloco: warning: --uri {args.uri} is a path on each replica's own machine; the replicas share it "
+            f"crf-diloco launch: warning: --uri {args.uri} is a path on each replica's own machine; the replicas share it "
             "only if the same folder is mounted on every one of them (use s3://, gs://, az:// or hf://)\n"
         )
     sys.stderr.write(
-        f"crf-diloco: launching {args.replicas} replicas of {args.script} "
+        f"crf-diloco launch: {args.replicas} replicas of {args.script} "
         f"(executor {args.executor}, uri {uri}, run id {run_id})\n"
     )
     sys.stderr.flush()
@@ -322,12 +411,12 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except (KeyboardInterrupt, _Interrupted) as exc:
         signum = exc.signum if isinstance(exc, _Interrupted) else signal.SIGINT
-        sys.stderr.write(f"crf-diloco: interrupted by {signal.Signals(signum).name}; replicas stopped\n")
+        sys.stderr.write(f"crf-diloco launch: interrupted by {signal.Signals(signum).name}; replicas stopped\n")
         return 128 + int(signum)
     except (ValueError, TypeError) as exc:  # bad --uri / --env, rejected before any replica starts
         parser.error(str(exc))
     except (OSError, RuntimeError) as exc:  # a replica could not be started; the others were stopped
-        sys.stderr.write(f"crf-diloco: {exc}\n")
+        sys.stderr.write(f"crf-diloco launch: {exc}\n")
         return 1
     finally:
         if in_main_thread:
@@ -339,11 +428,19 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``, so its errors read ``crf-diloco launch: error: ...``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise LookupError(name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``crf-diloco`` command and ``python -m crf_diloco``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "launch":
-        return launch(args, parser)
+        return launch(args, _subcommand(parser, "launch"))
     parser.error(f"unknown command {args.command!r}")  # unreachable: argparse restricts the choices
     return 2

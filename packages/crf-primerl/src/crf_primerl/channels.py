@@ -13,9 +13,8 @@ All tensors are ``(seq,)``; ``lp_T`` is the teacher log-prob of the sampled toke
 - Sampled-token cross-entropy (PRIME-RL's ``ce``/``sft`` loss): ``ℓ_t = −m_t · lp_θ,t``.
 
 Filler teachers: from 0be5ac4 on, PRIME-RL packs samples that have no reference into a micro-batch
-that has one with ``ref_logprobs = 0.0`` on every token. A teacher that is exactly 0 on every
-loss-mask token is therefore read as "no teacher for this sample" and both teacher channels skip it
-(a 0-d gate, no device synchronisation).
+that has one with ``ref_logprobs = 0.0`` on every token. `crf_primerl.validation.check_teacher_arrives`
+refuses such a sample when a teacher channel is on, so the channels here always see a real teacher.
 """
 
 from __future__ import annotations
@@ -28,10 +27,9 @@ def teacher_log_gap(teacher_logprobs: Tensor, trainer_logprobs: Tensor) -> Tenso
     return teacher_logprobs - trainer_logprobs
 
 
-def teacher_signal(teacher_logprobs: Tensor, trainer_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
-    """``sg(lp_T − lp_θ)``, zeroed when the teacher is PRIME-RL's all-zero filler on the loss mask."""
-    present = ((teacher_logprobs != 0) & loss_mask).any()
-    return teacher_log_gap(teacher_logprobs, trainer_logprobs).detach() * present
+def teacher_signal(teacher_logprobs: Tensor, trainer_logprobs: Tensor) -> Tensor:
+    """``sg(lp_T − lp_θ)``: the teacher's per-token signal, without gradient."""
+    return teacher_log_gap(teacher_logprobs, trainer_logprobs).detach()
 
 
 def teacher_keep_mask(probs_diff: Tensor, loss_mask: Tensor, teacher_mask_low: float) -> Tensor:

@@ -13,7 +13,16 @@ PRIME-RL calls ``loss_fn(inputs, **kwargs)`` once per packed sample: every tenso
 1-D ``(seq,)`` over that sample's prompt+completion tokens (prompt masked out by ``loss_mask``), and
 the driver sums the returned per-sample ``loss`` and normalises it by a token count. Both PRIME-RL
 ``LossInputs`` generations are accepted: ``teacher_logprobs`` (up to 46653c1, 2026-05) and
-``ref_logprobs`` + ``loss_weights`` (from 0be5ac4, 2026-06).
+``ref_logprobs`` + ``loss_weights`` (from 0be5ac4, 2026-06; HEAD 559b447 calls it through
+``setup_rl_loss_fn`` and ``compute_loss``).
+
+The teacher channels (``teacher_tau``, ``teacher_weight``) need teacher log-probs in the *rl* loss's
+inputs. The 46653c1 generation passes ``teacher_logprobs`` there when a teacher model is configured.
+From 0be5ac4 on, only the ``opd``/``opsd`` algorithms fill ``ref_logprobs`` and prime-rl routes them to
+its own ``ref_kl`` loss component: a GRPO-family run passes ``None``, and in a mixed GRPO + OPD batch
+the GRPO samples carry ``0.0`` on every token (a filler). ``loss_fn`` refuses both with a message
+rather than skipping the channel; for teacher distillation at HEAD use prime-rl's own
+``[orchestrator.algo] type = "opd"``.
 
 Per-token loss (symbols in :mod:`crf_primerl.dppo` and :mod:`crf_primerl.channels`)::
 
@@ -22,10 +31,6 @@ Per-token loss (symbols in :mod:`crf_primerl.dppo` and :mod:`crf_primerl.channel
                   − teacher_weight · keep_T,t · sg(lp_T,t − lp_θ,t) · r_t   (teacher distillation)
                   − ce_weight · m_t · lp_θ,t ]                              (sampled-token CE)
     loss = Σ_t ℓ_t
-
-A teacher that is exactly 0.0 on every loss-mask token is PRIME-RL's filler for a sample without a
-reference (0be5ac4 and later pack such samples next to ones with a reference); both teacher
-channels skip it.
 
 With the default keywords the composer channels are off and ``loss`` and ``metrics`` are PRIME-RL's
 ``default_loss_fn`` with its ``DefaultLossConfig`` defaults.
@@ -46,7 +51,7 @@ from crf_primerl.channels import (
     teacher_signal,
 )
 from crf_primerl.dppo import dppo_kl_token_loss, dppo_metrics, dppo_terms, masked_mean
-from crf_primerl.validation import Sample, check_bounds, read_sample
+from crf_primerl.validation import Sample, check_bounds, check_teacher_arrives, read_sample
 
 __all__ = ["LOSS_KWARGS", "LossInputs", "LossOutputs", "loss_fn"]
 
@@ -133,7 +138,8 @@ def loss_fn(
         TypeError: unknown keyword, non-numeric keyword, or ``inputs`` without the required fields.
         ValueError: ``(B, T)`` or other non-1-D tensors, mismatched lengths or devices, a non-bool
             ``loss_mask``, NaN/inf inputs, negative ``loss_weights`` or keywords, or a teacher
-            channel switched on without teacher log-probs.
+            channel switched on where teacher log-probs cannot arrive (``None``, or PRIME-RL's
+            all-zero filler on the loss mask).
     """
     if unknown:
         _raise_unknown(unknown)
@@ -148,12 +154,8 @@ def loss_fn(
         ce_weight=ce_weight,
     )
     sample = read_sample(inputs)
-    teacher = sample.teacher_logprobs
-    if teacher is None and (teacher_tau > 0 or teacher_weight > 0):
-        raise ValueError(
-            "teacher_tau/teacher_weight > 0 need teacher log-probs, but inputs.teacher_logprobs/ref_logprobs is None: "
-            "configure a teacher (reference) model in PRIME-RL so it fills them, or set both to 0"
-        )
+    if teacher_tau > 0 or teacher_weight > 0:
+        check_teacher_arrives(sample)
     return _composed_loss(sample, knobs)
 
 
@@ -186,7 +188,7 @@ def _composed_loss(sample: Sample, knobs: _LossKnobs) -> LossOutputs:
     if teacher is not None:
         metrics["teacher_kl"] = masked_mean(teacher_log_gap(teacher, trainer.detach()), mask)
         if knobs.teacher_tau > 0 or knobs.teacher_weight > 0:
-            signal = teacher_signal(teacher, trainer, mask)
+            signal = teacher_signal(teacher, trainer)
     if signal is not None and knobs.teacher_tau > 0:
         scaled_advantages = scaled_advantages + knobs.teacher_tau * signal
     per_token = dppo_kl_token_loss(terms, scaled_advantages, mask, knobs.kl_tau)

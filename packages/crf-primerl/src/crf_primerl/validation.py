@@ -173,3 +173,37 @@ def check_bounds(**values: float) -> None:
         if math.isnan(value) or value < 0:
             hint = " To disable the DPPO mask pass 1e6 for both bounds." if name.startswith("dppo_mask") else ""
             raise ValueError(f"{name} must be >= 0 (as PRIME-RL's loss config requires), got {value}.{hint}")
+
+
+_TEACHER_CANNOT_ARRIVE = (
+    "At prime-rl 0be5ac4 and later (HEAD 559b447) only the 'opd'/'opsd' algorithms fill ref_logprobs, and "
+    "prime-rl routes them to its own ref_kl loss component, not to [trainer.loss]: for teacher distillation "
+    'there, use prime-rl\'s own [orchestrator.algo] type = "opd" and set teacher_tau = teacher_weight = 0. '
+    "crf-primerl's teacher channels need the generation that passes teacher_logprobs to the loss (prime-rl up "
+    "to 46653c1, with a teacher model configured)."
+)
+
+
+def check_teacher_arrives(sample: Sample) -> None:
+    """Refuse a teacher channel where no teacher log-probs arrive: ``None``, or PRIME-RL's all-zero filler.
+
+    From 0be5ac4 on PRIME-RL packs a sample without a reference next to ones with a reference with
+    ``ref_logprobs = 0.0`` on every token; a teacher that is 0 on every loss-mask token of a sample that has
+    loss-mask tokens is that filler. Costs one device synchronisation (only when a teacher channel is on).
+
+    Raises:
+        ValueError: saying why the teacher log-probs cannot arrive and what to use instead.
+    """
+    teacher, mask = sample.teacher_logprobs, sample.loss_mask
+    if teacher is None:
+        raise ValueError(
+            "teacher_tau/teacher_weight > 0 need teacher log-probs, but inputs.teacher_logprobs/ref_logprobs is "
+            "None (configure a teacher model where your prime-rl passes them to the loss, or set both to 0). "
+            + _TEACHER_CANNOT_ARRIVE
+        )
+    if bool(mask.any() & ~((teacher != 0) & mask).any()):
+        raise ValueError(
+            "teacher_tau/teacher_weight > 0, but this sample's ref_logprobs are 0.0 on every loss-mask token: "
+            "prime-rl's filler for a sample without a reference (a GRPO sample packed with OPD ones), so the "
+            "teacher channel has no teacher here and would silently do nothing. " + _TEACHER_CANNOT_ARRIVE
+        )

@@ -76,6 +76,33 @@ class LineRelay:
                 )
 
 
+def restart_error(rank: int, first_task: str) -> str:
+    """What a restarted replica reports instead of running its command again."""
+    return (
+        f"Modal restarted replica {rank} (its input was preempted or its container lost; the first attempt ran in "
+        f"task {first_task or '?'}); it was not run again, as a DiLoCo replica never restarts silently: relaunch "
+        "into the run (same --run-id) to resume from the store"
+    )
+
+
+def _first_attempt(rank: int, attempts: Any) -> str | None:
+    """``None`` on the first attempt of this rank's input; else the task id the first attempt recorded.
+
+    ``attempts`` is the launch's ``modal.Dict``: the first attempt records its task id under the rank, so a
+    restart (Modal reschedules preempted inputs whatever ``retries`` says) finds it there.
+    """
+    if attempts is None:
+        return None
+    task = os.environ.get("MODAL_TASK_ID", "")
+    try:
+        if attempts.put(rank, task, skip_if_exists=True):
+            return None
+        return str(attempts.get(rank) or "")
+    except Exception as exc:  # cannot tell: run, but say so
+        print(f"crf-diloco: cannot check for a restart of rank {rank}: {type(exc).__name__}", file=sys.stderr)
+        return None
+
+
 def run_replica(
     rank: int,
     argv: Sequence[str],
@@ -84,14 +111,23 @@ def run_replica(
     log_queue: Any,
     tail_lines: int,
     terminate_grace_s: float,
+    attempts: Any = None,
 ) -> dict[str, Any]:
     """Run ``argv`` with this container's environment plus ``env``; return the `ReplicaResult` fields as a dict.
 
     The secrets arrive as this container's environment (Modal injects them); ``secret_names`` says which variables
     they are, so that their values are masked in everything relayed or returned. A cancellation from the launcher
-    (Modal raises ``InputCancellation``) stops the command (SIGTERM, then SIGKILL) before it propagates.
+    (Modal raises ``InputCancellation``) stops the command (SIGTERM, then SIGKILL) before it propagates. When
+    ``attempts`` (a ``modal.Dict``) shows that this rank already started once, the command is not run again: the
+    result says the replica was restarted (`restart_error`).
     """
     secrets = ReplicaSecrets({name: os.environ[name] for name in secret_names if os.environ.get(name)})
+    first_task = _first_attempt(rank, attempts)
+    if first_task is not None:
+        error = restart_error(rank, first_task)
+        print(f"crf-diloco: {error}", file=sys.stderr, flush=True)
+        return {"rank": rank, "returncode": None, "duration_s": 0.0, "stdout_tail": "", "stderr_tail": "",
+                "timed_out": False, "error": error}  # fmt: skip
     relay = LineRelay(rank, log_queue, secrets.redact)
     try:
         try:

@@ -5,21 +5,28 @@ Per replica, ``launch_replicas`` calls ``HfApi.run_job`` (a Docker image and a c
 ``CRF_DILOCO_*`` variables and ``env`` as the job's environment and every secret (the per-run key
 ``CRF_DILOCO_SECRET``, store credentials, anything named like a credential, ``secrets``/``secret_env``) as the
 job's encrypted ``secrets``. A thread per job follows ``fetch_job_logs(follow=True)`` and relays each line to
-``on_output(rank, "stdout", line)`` (Jobs merge stdout and stderr into one log). ``collect`` polls ``inspect_job``:
-``COMPLETED`` is success (``returncode=0``); ``ERROR``, ``CANCELED`` and ``DELETED`` are failures with the status
+``on_output(rank, "stdout", line)`` (Jobs merge stdout and stderr into one log); a stream cut by a 429 or a 5xx is
+reopened (after the ``Retry-After`` the Hub asks for) and resumes after the last line relayed. ``collect`` reads
+the stages of all of a launch's jobs with one ``list_jobs`` call (filtered by the run's label) per poll, not one
+``inspect_job`` per job, to stay within the Hub's rate limits; a 429 (on the listing, a submission or a cancel)
+waits for ``Retry-After`` and never counts as lost contact. ``COMPLETED`` is success (``returncode=0``); ``ERROR``, ``CANCELED`` and ``DELETED`` are failures with the status
 message (Jobs report no exit code, so ``returncode`` is ``None``); when one replica fails the others are cancelled
 with ``cancel_job`` unless ``cancel_on_failure=False``; at the deadline the late ones are cancelled and reported as
 timed out. Every text that comes back (log lines, status messages, server errors) has secret values masked.
 
 ``huggingface_hub`` (>= 1.5) is imported when the executor is constructed: ``pip install 'crf-diloco[hf]'``.
 Authentication is ``huggingface_hub``'s (``token=``, else ``HF_TOKEN`` or the saved login); ``endpoint=``, else
-``HF_ENDPOINT``, selects the Hub.
+``HF_ENDPOINT``, selects the Hub. Labels (and the job name, which is a label) are refused before any job starts
+unless they are what the Hub accepts: keys and values of ``[A-Za-z0-9_-]`` only (no ``.``: labels are stored as
+tags), so a run id with a ``.`` cannot name HF jobs.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+import math
 import re
 import threading
 import time
@@ -43,8 +50,60 @@ _RUNNING_STAGES = ("SCHEDULING", "RUNNING")
 _HUB_HINT = "HFJobsExecutor needs huggingface_hub>=1.5, which is not installed: pip install 'crf-diloco[hf]'"
 _FLAVOR = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
-_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_-]*$")
 _MAX_LINE_CHARS = 4000
+_MAX_RETRY_AFTER_S = 300.0
+_MAX_LOG_REOPENS = 50
+"""Consecutive failed openings of a job's log stream (429 / 5xx) after which it is given up on."""
+_ENDED_LOG_REOPENS = 3
+"""The same once the job has ended (only the lines the cut stream missed are left to fetch)."""
+
+
+def check_labels(labels: Mapping[str, str], what: str = "labels") -> dict[str, str]:
+    """``labels`` if every key and value is what the Hub accepts (``[A-Za-z0-9_-]``, keys non-empty), else raise."""
+    for key, value in labels.items():
+        if not (
+            isinstance(key, str) and _LABEL_KEY.match(key) and isinstance(value, str) and _LABEL_VALUE.match(value)
+        ):
+            raise ValueError(
+                f"{what}: the Hub refuses the label {key!r}: {value!r}; keys and values may use only letters, digits, "
+                "'-' and '_' (no '.', '/', ':' or spaces: labels are stored as tags)"
+            )
+    return dict(labels)
+
+
+def _status_code(exc: BaseException) -> int | None:
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """Seconds to wait before retrying after a 429 (its ``Retry-After``, else 1 s, at most 300 s); ``None`` if the
+    error is not a 429."""
+    if _status_code(exc) != 429:
+        return None
+    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    try:
+        delay = float(headers.get("Retry-After", "1"))
+    except (TypeError, ValueError):  # an HTTP date: not worth parsing, wait a little and ask again
+        delay = 1.0
+    return min(max(delay, 0.0), _MAX_RETRY_AFTER_S)
+
+
+def _rate_limited(call: Any, what: str, *, budget_s: float) -> Any:
+    """``call()``, retried after each 429 for up to ``budget_s`` s of waiting (a 429 means nothing was done)."""
+    waited = 0.0
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            delay = retry_after_s(exc)
+            if delay is None or waited + delay > budget_s:
+                raise
+            logger.warning("%s: rate limited by the Hub (HTTP 429); retrying in %.1f s", what, delay)
+            time.sleep(delay)
+            waited += delay
 
 
 def _import_hub() -> Any:
@@ -93,6 +152,54 @@ class _HFLaunch:
     on_output: OutputCallback | None
     tail_lines: int
     log_drain_s: float
+    board: _JobBoard
+    retry_budget_s: float
+
+
+class _JobBoard:
+    """The stages of one launch's jobs, read with one ``list_jobs`` call per poll round (shared by its jobs).
+
+    Within ``min_interval_s`` of a read every job's poll is answered from it; after a 429 nothing is read until
+    ``Retry-After`` has passed (the jobs count as still running meanwhile, not as unreachable).
+    """
+
+    def __init__(self, api: Any, namespace: str, run_id: str, min_interval_s: float) -> None:
+        self._api = api
+        self._namespace = namespace
+        self._run_id = run_id
+        self._min_interval_s = min_interval_s
+        self._lock = threading.Lock()
+        self._infos: dict[str, Any] = {}
+        self._error: Exception | None = None
+        self._read_at = -math.inf
+        self._retry_at = -math.inf
+
+    def info(self, job_id: str) -> Any | None:
+        """The job's latest `JobInfo`; ``None`` while rate limited; raises when the listing fails or lacks it."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._retry_at:
+                return None
+            if now - self._read_at >= self._min_interval_s:
+                self._read_at = now
+                try:
+                    listing = self._api.list_jobs(namespace=self._namespace, labels={LABEL_RUN_ID: self._run_id})
+                    self._infos, self._error = {str(i.id): i for i in listing}, None
+                except Exception as exc:
+                    delay = retry_after_s(exc)
+                    if delay is None:
+                        self._error = exc
+                    else:
+                        self._retry_at = now + delay
+                        logger.warning(
+                            "listing the jobs: rate limited by the Hub (HTTP 429); next try in %.1f s", delay
+                        )
+                        return None
+            if self._error is not None:
+                raise self._error
+            if job_id not in self._infos:
+                raise LookupError(f"job {job_id} is missing from the listing of run {self._run_id}")
+            return self._infos[job_id]
 
 
 class _HFJob:
@@ -109,18 +216,39 @@ class _HFJob:
         self._log_error: str | None = None
         self._callback_failed = False
         self._warned_stages: set[str] = set()
+        self._ended = threading.Event()
         self._log_thread = threading.Thread(target=self._follow_logs, name=f"hf-job-logs-{rank}", daemon=True)
         self._log_thread.start()
 
     def _follow_logs(self) -> None:
+        """Relay the log; reopen a stream cut by a 429 or a 5xx and skip the lines already relayed (it replays)."""
         launch = self.launch
-        try:
-            for entry in launch.api.fetch_job_logs(job_id=self.job_id, namespace=launch.namespace, follow=True):
-                for line in str(entry).splitlines() or [""]:
-                    self._relay(line)
-        except Exception as exc:  # the stage, polled separately, still decides the result
-            self._log_error = launch.secrets.redact(_describe(exc))
-            logger.warning("rank %d: the log stream of job %s failed: %s", self.rank, self.job_id, self._log_error)
+        relayed = reopens = 0
+        while True:
+            seen = 0
+            try:
+                for entry in launch.api.fetch_job_logs(job_id=self.job_id, namespace=launch.namespace, follow=True):
+                    seen += 1
+                    if seen > relayed:
+                        relayed, reopens = seen, 0
+                        for line in str(entry).splitlines() or [""]:
+                            self._relay(line)
+                return
+            except Exception as exc:  # the stage, polled separately, still decides the result
+                status = _status_code(exc)
+                delay = retry_after_s(exc)
+                if delay is None and status is not None and status >= 500:
+                    delay = min(2.0**reopens, 30.0)
+                if delay is None or reopens >= (_ENDED_LOG_REOPENS if self._ended.is_set() else _MAX_LOG_REOPENS):
+                    self._log_error = launch.secrets.redact(_describe(exc))
+                    logger.warning(
+                        "rank %d: the log stream of job %s failed: %s", self.rank, self.job_id, self._log_error
+                    )
+                    return
+                reopens += 1
+                logger.info("rank %d: log stream of job %s cut (%s); reopening in %.1f s", self.rank, self.job_id,
+                            launch.secrets.redact(_describe(exc)), delay)  # fmt: skip
+                time.sleep(delay)  # the Hub's Retry-After, also once the job has ended (its replay stops by itself)
 
     def _relay(self, line: str) -> None:
         line = self.launch.secrets.redact(line)[:_MAX_LINE_CHARS]
@@ -138,7 +266,9 @@ class _HFJob:
         if self.result is not None:
             return self.result
         launch = self.launch
-        info = launch.api.inspect_job(job_id=self.job_id, namespace=launch.namespace)
+        info = launch.board.info(self.job_id)
+        if info is None:  # rate limited: ask again later
+            return None
         stage = _stage_name(info.status.stage)
         if stage not in TERMINAL_STAGES:
             if stage not in _RUNNING_STAGES and stage not in self._warned_stages:
@@ -146,6 +276,7 @@ class _HFJob:
                 logger.warning("rank %d: job %s is in unknown stage %r; still waiting", self.rank, self.job_id, stage)
             return None
         duration = time.monotonic() - self.started_at
+        self._ended.set()
         self._log_thread.join(launch.log_drain_s)  # the stream ends with the job; let the last lines arrive
         tail = self.tail.text()
         if stage == "COMPLETED":
@@ -171,7 +302,12 @@ class _HFJob:
         """``cancel_job`` (once)."""
         if self.result is None and not self.cancel_requested:
             self.cancel_requested = True
-            self.launch.api.cancel_job(job_id=self.job_id, namespace=self.launch.namespace)
+            launch = self.launch
+            _rate_limited(
+                lambda: launch.api.cancel_job(job_id=self.job_id, namespace=launch.namespace),
+                f"cancelling job {self.job_id}",
+                budget_s=launch.retry_budget_s,
+            )
 
     @property
     def secrets(self) -> ReplicaSecrets:
@@ -179,6 +315,7 @@ class _HFJob:
 
     def close(self) -> None:
         """Give the log thread a moment to deliver its last lines (it ends with the job's log stream)."""
+        self._ended.set()
         self._log_thread.join(0.5)
 
 
@@ -211,11 +348,13 @@ class HFJobsExecutor(RemoteExecutor):
         secret_env: names of variables of this process's environment to send as secrets (store credentials such
             as ``AWS_ACCESS_KEY_ID``); a missing one is an error at launch.
         labels: extra job labels; ``crf-diloco-run-id``, ``crf-diloco-rank`` and the job name
-            (``name``: ``crf-diloco-<run id>-rank<r>``, or ``<labels["name"]>-rank<r>``) are always set.
+            (``name``: ``crf-diloco-<run id>-rank<r>``, or ``<labels["name"]>-rank<r>``) are always set. Keys and
+            values may use only ``[A-Za-z0-9_-]`` (the Hub's rule), and so may the run id.
         cancel_on_failure: cancel the other jobs when one fails.
-        poll_interval_s: seconds between two ``inspect_job`` calls per job.
+        poll_interval_s: seconds between two ``list_jobs`` calls (one per poll, for all the launch's jobs).
         cancel_grace_s: how long a cancelled job may take to reach a terminal stage before it is given up on.
-        lost_contact_s: how long ``inspect_job`` may keep failing for a job before it counts as failed.
+        lost_contact_s: how long reading a job's stage may keep failing before it counts as failed (429s do not
+            count); also the longest a submission or cancel waits out 429s.
         log_drain_s: how long to wait for the last log lines once a job has ended.
         tail_lines: how many trailing log lines each `ReplicaResult` keeps.
     """
@@ -263,10 +402,7 @@ class HFJobsExecutor(RemoteExecutor):
             lost_contact_s=lost_contact_s,
             tail_lines=tail_lines,
         )
-        self.labels = dict(labels or {})
-        for key, value in self.labels.items():
-            if not all(isinstance(x, str) and _LABEL.match(x) for x in (key, value)):
-                raise ValueError(f"labels must be short [A-Za-z0-9._-] strings, got {key!r}: {value!r}")
+        self.labels = check_labels(labels or {})
         validate_positive(log_drain_s, "log_drain_s")
         self.flavor = flavor
         self.image = image
@@ -294,7 +430,8 @@ class HFJobsExecutor(RemoteExecutor):
     def _resolve_namespace(self, secrets: ReplicaSecrets) -> str:
         if self.namespace is None:
             try:
-                self.namespace = validate_name(str(self._api.whoami()["name"]), "the namespace returned by whoami")
+                who = _rate_limited(self._api.whoami, "whoami", budget_s=self.policy.lost_contact_s)
+                self.namespace = validate_name(str(who["name"]), "the namespace returned by whoami")
             except Exception as exc:
                 raise RuntimeError(
                     f"cannot find the Hugging Face user to run the jobs as ({secrets.redact(_describe(exc))}); "
@@ -316,20 +453,26 @@ class HFJobsExecutor(RemoteExecutor):
         prepared = self.prepare_launch(command, world_size, uri, run_id, env)
         argv, run_id, secrets = prepared.argv, prepared.run_id, prepared.secrets
         masked = ReplicaSecrets({**secrets.values, **self._token_mask})  # the job secrets and the Hub token
+        labels = [self._labels(run_id, rank) for rank in range(world_size)]  # all checked before any job starts
+        namespace = self._resolve_namespace(masked)
         launch = _HFLaunch(
             api=self._api,
-            namespace=self._resolve_namespace(masked),
+            namespace=namespace,
             secrets=masked,
             on_output=on_output,
             tail_lines=self.tail_lines,
             log_drain_s=self.log_drain_s,
+            board=_JobBoard(self._api, namespace, run_id, self.policy.poll_interval_s / 2),
+            retry_budget_s=self.policy.lost_contact_s,
         )
         handles: list[HFJobHandle] = []
         try:
             for rank in range(world_size):
-                name = f"{self.labels.get('name', 'crf-diloco-' + run_id)}-rank{rank}"
-                labels = {**self.labels, "name": name, LABEL_RUN_ID: run_id, LABEL_RANK: str(rank)}
-                info = self._submit(argv, prepared.envs[rank], secrets, labels, launch.namespace)
+                info = _rate_limited(
+                    functools.partial(self._submit, argv, prepared.envs[rank], secrets, labels[rank], namespace),
+                    f"submitting the job of rank {rank}",
+                    budget_s=self.policy.lost_contact_s,
+                )
                 job_id = _checked_job_id(info.id)
                 handles.append(HFJobHandle(rank, run_id, job_id, str(info.url), _HFJob(launch, rank, job_id)))
                 logger.info("rank %d: job %s", rank, info.url)
@@ -343,6 +486,15 @@ class HFJobsExecutor(RemoteExecutor):
             self.terminate(handles)
             raise
         return handles
+
+    def _labels(self, run_id: str, rank: int) -> dict[str, str]:
+        """The labels of rank ``rank``'s job (its name among them), checked against the Hub's rule."""
+        name = f"{self.labels.get('name', 'crf-diloco-' + run_id)}-rank{rank}"
+        labels = {**self.labels, "name": name, LABEL_RUN_ID: run_id, LABEL_RANK: str(rank)}
+        try:
+            return check_labels(labels, f"run id {run_id!r}")
+        except ValueError as exc:
+            raise ValueError(f"{exc}; choose a run id (and a name label) without such characters") from None
 
     def _submit(
         self, argv: list[str], job_env: dict[str, str], secrets: ReplicaSecrets, labels: dict[str, str], namespace: str

@@ -2,13 +2,16 @@
 
 ``launch_replicas`` defines an app with one function (`_modal_worker.run_replica`: GPU, CPU, memory, image and
 timeout as configured, ``retries=0`` so a crash is a failed replica rather than a silent re-run), runs the app and
-calls ``function.spawn(rank, command, env, ...)`` once per rank. Inside its container each call starts the command
+calls ``function.spawn(rank, command, env, ...)`` once per rank. Modal reschedules an input whose container was preempted
+even with ``retries=0``; each call records its first attempt in an ephemeral ``modal.Dict``, so a restarted one
+does not run the command again but ends with an error saying the replica was restarted (reported per replica). Inside its container each call starts the command
 as a child process with the ``CRF_DILOCO_*`` variables and ``env``, and returns how it ended. Secrets (the per-run
 key ``CRF_DILOCO_SECRET``, anything named like a credential, ``secrets``/``secret_env``) become one
 ``modal.Secret.from_dict`` attached to the function, next to the named Modal secrets in ``modal_secrets``: they
 reach the container's environment through Modal's secret store, never as call arguments. Output lines travel back
 through an ephemeral ``modal.Queue`` to ``on_output``; ``collect`` polls each ``FunctionCall`` and maps Modal's
-errors (function timeout, remote failure, cancellation, expired result) to failed `ReplicaResult` s, cancels the
+errors (function timeout, remote failure, expired result; a call the launcher cancelled ends, in the client, with
+the ``RemoteError`` of its terminated result) to failed `ReplicaResult` s, cancels the
 other calls when one fails (unless ``cancel_on_failure=False``) and the late ones at the deadline, then stops the
 app. Text that comes back has secret values masked, in the container and again here.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import re
 import sys
@@ -39,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 MAX_TIMEOUT_S = 24 * 3600
 """The longest a Modal function call may run."""
+WHEEL_DIR = "/crf-diloco/wheels"
+"""Where ``wheels`` are copied in the image (``pip``'s find-links)."""
 _MODAL_HINT = "ModalExecutor needs modal>=1.0, which is not installed: pip install 'crf-diloco[modal]'"
 _GPU = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*(:[1-9][0-9]*)?$")
 _MAX_LINE_CHARS = 4000
@@ -71,18 +77,19 @@ class _ModalSession:
     def __init__(self, modal: Any) -> None:
         self.modal = modal
 
-    def open(self, app: Any, *, show_output: bool, log_queue: bool) -> tuple[contextlib.ExitStack, Any]:
-        """Enter ``app.run()`` (and a ``Queue.ephemeral()`` when asked); the stack exits them."""
+    def open(self, app: Any, *, show_output: bool, log_queue: bool) -> tuple[contextlib.ExitStack, Any, Any]:
+        """Enter ``app.run()``, a ``Dict.ephemeral()`` of first attempts (and a ``Queue.ephemeral()`` when asked)."""
         stack = contextlib.ExitStack()
         try:
             if show_output:
                 stack.enter_context(self.modal.enable_output())
             stack.enter_context(app.run())
+            attempts = stack.enter_context(self.modal.Dict.ephemeral())
             q = stack.enter_context(self.modal.Queue.ephemeral()) if log_queue else None
         except BaseException:
             stack.close()
             raise
-        return stack, q
+        return stack, q, attempts
 
     def spawn(self, function: Any, *args: Any) -> Any:
         return function.spawn(*args)
@@ -198,11 +205,11 @@ class _ModalCall:
             return self._failed("Modal no longer holds the result of this call (it expired)")
         except (TimeoutError, errors.TimeoutError):
             return None  # still running
-        except errors.InputCancellation:
-            return self._failed("the call was cancelled on Modal")
         except Exception as exc:
             if _unreachable(exc, errors):
                 raise
+            if self.cancel_requested and isinstance(exc, errors.RemoteError):
+                return self._failed("the call was cancelled on Modal")  # its result is TERMINATED: a RemoteError
             return self._failed(f"the replica's Modal call failed ({type(exc).__name__}: {exc})")
         return self._from_value(value)
 
@@ -290,6 +297,8 @@ class ModalExecutor(RemoteExecutor):
         image: a ``modal.Image``, or a registry image name (it must have Python); default Modal's ``debian_slim``
             with ``python_version`` (default: this interpreter's).
         pip: packages installed into the image (the replica script's dependencies, ``crf-diloco[s3]``, ...).
+        wheels: local wheel files copied into the image and used as ``pip``'s find-links (this checkout's
+            crf-diloco before it is on an index: `crf_diloco.executors.wheels.workspace_wheel`).
         timeout_s: Modal's limit for each call, at most 24 h (Modal's own default of 300 s is too short to train).
         secrets: more secret variables for every replica (name → value); secret_env: names of variables of this
             process's environment to send as secrets (a missing one is an error at launch).
@@ -312,6 +321,7 @@ class ModalExecutor(RemoteExecutor):
         image: Any = None,
         python_version: str | None = None,
         pip: Sequence[str] = (),
+        wheels: Sequence[str] = (),
         timeout_s: float = MAX_TIMEOUT_S,
         secrets: Mapping[str, str] | None = None,
         secret_env: Sequence[str] = (),
@@ -338,6 +348,10 @@ class ModalExecutor(RemoteExecutor):
             raise TypeError(f"image must be a modal.Image or a registry image name, got {type(image).__name__}")
         if isinstance(pip, str) or not all(isinstance(p, str) and p for p in pip):
             raise ValueError(f"pip must be a list of requirement strings, got {pip!r}")
+        if isinstance(wheels, str) or not all(
+            isinstance(w, str) and w.endswith(".whl") and os.path.isfile(w) for w in wheels
+        ):
+            raise ValueError(f"wheels must be a list of paths of existing .whl files, got {wheels!r}")
         timeout = validate_positive(timeout_s, "timeout_s")
         if timeout > MAX_TIMEOUT_S:
             raise ValueError(f"timeout_s must be at most {MAX_TIMEOUT_S} (Modal's 24 h limit), got {timeout_s!r}")
@@ -362,6 +376,7 @@ class ModalExecutor(RemoteExecutor):
         self.image = image
         self.python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
         self.pip = tuple(pip)
+        self.wheels = tuple(wheels)
         self.timeout_s = ceil_seconds(timeout) or 1
         self.modal_secrets = tuple(modal_secrets)
         self.region = region
@@ -377,7 +392,7 @@ class ModalExecutor(RemoteExecutor):
         )
 
     def build_image(self) -> Any:
-        """The replicas' image: the base, ``pip`` packages, and this launcher's ``crf_diloco`` source."""
+        """The replicas' image: the base, ``wheels``, ``pip`` packages, and this launcher's ``crf_diloco`` source."""
         modal = self._modal
         if isinstance(self.image, str):
             image = modal.Image.from_registry(self.image)
@@ -385,8 +400,10 @@ class ModalExecutor(RemoteExecutor):
             image = modal.Image.debian_slim(python_version=self.python_version)
         else:
             image = self.image
+        for wheel in self.wheels:
+            image = image.add_local_file(wheel, f"{WHEEL_DIR}/{os.path.basename(wheel)}", copy=True)
         if self.pip:
-            image = image.pip_install(*self.pip)
+            image = image.pip_install(*self.pip, find_links=WHEEL_DIR if self.wheels else None)
         return image.add_local_python_source("crf_diloco")
 
     def build_app(self, secrets: ReplicaSecrets) -> ModalReplicaApp:
@@ -423,7 +440,7 @@ class ModalExecutor(RemoteExecutor):
         argv, run_id, secrets = prepared.argv, prepared.run_id, prepared.secrets
         definition = self.build_app(secrets)
         try:
-            stack, log_queue = self._session.open(
+            stack, log_queue, attempts = self._session.open(
                 definition.app, show_output=self.show_output, log_queue=on_output is not None
             )
         except Exception as exc:
@@ -438,7 +455,7 @@ class ModalExecutor(RemoteExecutor):
             for rank in range(world_size):
                 call = self._session.spawn(
                     definition.function, rank, argv, prepared.envs[rank], secrets.names, log_queue, self.tail_lines,
-                    self.terminate_grace_s,
+                    self.terminate_grace_s, attempts,
                 )  # fmt: skip
                 call_id = str(getattr(call, "object_id", "") or f"rank-{rank}")
                 handles.append(ModalReplicaHandle(rank, run_id, call_id, _ModalCall(launch, rank, call)))
