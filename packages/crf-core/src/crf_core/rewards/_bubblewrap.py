@@ -5,7 +5,8 @@ the merged-usr links ``/bin``, ``/lib``, ``/lib64``, ``/sbin``), ``/etc/ld.so.ca
 interpreter's own prefix bound read-only at their host paths; a private ``/proc`` (only the
 sandbox's processes) and ``/dev`` (null, zero, full, random, urandom, tty), both read-only where
 they are filesystems; one writable size-limited tmpfs at ``/tmp``, the working directory and
-``HOME``; the root itself read-only. Nothing else of the host (its home directories, its ``/tmp``,
+``HOME``, and a private one of at most ``SHM_BYTES`` at ``/dev/shm`` (``multiprocessing``'s
+semaphores); the root itself read-only. Nothing else of the host (its home directories, its ``/tmp``,
 site-packages, sockets) exists inside. The environment is cleared; bubblewrap puts the program in
 a new session and kills it when the caller dies (``--die-with-parent``). All capabilities are
 dropped and the seccomp filter of :mod:`crf_core.rewards._seccomp` is applied.
@@ -33,6 +34,7 @@ __all__ = ["BWRAP_PACKAGE", "SANDBOX_UID", "Interpreter", "bwrap_command", "inte
 
 BWRAP_PACKAGE = "bubblewrap"
 SANDBOX_UID = 65534  # nobody: the uid untrusted code runs as when the trainer is root
+SHM_BYTES = 16 << 20  # the private /dev/shm (POSIX semaphores and shared memory of multiprocessing)
 _USR_LINKS = ("/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin")
 _CLONE_NEWUSER = 0x10000000
 _USERNS_HELPER = f"""
@@ -182,7 +184,8 @@ def _filesystem(python: Interpreter, tmp_bytes: int) -> tuple[str, ...]:
     for path in [*cache, *binds]:
         argv += ["--ro-bind", path, path]
     argv += [
-        "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+        "--proc", "/proc", "--dev", "/dev",
+        "--perms", "1777", "--size", str(min(tmp_bytes, SHM_BYTES)), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
         "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
         "--remount-ro", "/", "--chdir", "/tmp",
     ]  # fmt: skip
