@@ -842,3 +842,17 @@ def test_attack_zombie_bwrap_left_to_init_is_contained() -> None:
             run_python(program, timeout_s=timeout)
     time.sleep(0.2)
     assert _zombies() - before == set()
+
+
+def test_no_descriptor_of_the_trainer_leaks_across_runs() -> None:
+    """Pipes, pidfds and the status stream of every run are closed again, whatever the program did."""
+    run_python("print(1)")  # the one-time user namespace (root) and the bubblewrap check
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    for program, timeout in (("print(1)", 3.0), ("import time; time.sleep(60)", 0.5), ("import os; os.close(1)", 3.0)):
+        for _ in range(2):
+            run_python(program, timeout_s=timeout)
+    assert open_fds() == before
