@@ -416,9 +416,10 @@ HONEST_PROGRAMS: dict[str, tuple[str, list[str], float]] = {
 
 
 @pytest.mark.parametrize("name", sorted(HONEST_PROGRAMS))
-def test_honest_program_scores_right(name: str, reward: UnitTestReward) -> None:
+def test_honest_program_scores_right(name: str) -> None:
     program, tests, expected = HONEST_PROGRAMS[name]
     logged: dict[str, list[object]] = {}
+    reward = UnitTestReward(prepend_prompt=False, timeout_s=20.0)  # generous: 2 shared cores under load
     scores = reward([""], [program], tests=[tests], log_extra=lambda k, v: logged.update({k: v}))
     assert scores == [expected], logged["feedback"]
 
