@@ -7,9 +7,10 @@ Two isolation levels:
 ``isolation="bwrap"`` (the default) runs it under bubblewrap: new user, pid, network, ipc, uts and
 cgroup namespaces; a read-only root holding only ``/usr``, the interpreter's prefix and
 ``/etc/ld.so.cache``; private ``/proc`` and ``/dev``; one writable tmpfs of ``tmp_mb`` MiB at
-``/tmp`` (working directory, ``HOME``, ``TMPDIR``), gone when the run ends; a cleared environment;
-no capabilities; a seccomp filter against memory held outside the rlimits and against namespace
-and mount calls; killed with the caller (``--die-with-parent``). Details:
+``/tmp`` (working directory, ``HOME``, ``TMPDIR``) and a small one at ``/dev/shm``, gone when the
+run ends; a cleared environment; no capabilities; a seccomp filter against memory held outside the
+rlimits, namespace and mount calls and unneeded socket families; its own uid per concurrent
+sandbox when the trainer is root; killed with the caller (``--die-with-parent``). Details:
 ``crf_core.rewards._bubblewrap``. When bubblewrap is not usable, ``run_python`` refuses with
 ``SandboxUnavailableError`` naming the ``bubblewrap`` package.
 
@@ -22,13 +23,17 @@ or leaving processes that left its process group (``setsid``).
 Both set, before the untrusted code runs: ``RLIMIT_AS`` = ``memory_mb``, ``RLIMIT_CPU`` = the time
 limit, ``RLIMIT_FSIZE`` = ``max_file_mb``, ``RLIMIT_NOFILE`` = ``max_open_files``,
 ``RLIMIT_NPROC`` = ``max_processes`` (under bubblewrap it counts only the sandbox's processes; a
-root trainer's sandbox runs as uid 65534 so that the kernel applies it), ``RLIMIT_CORE`` = 0.
+root trainer's sandbox runs as a uid of its own so that the kernel applies it and no concurrent
+sandbox shares the count), ``RLIMIT_CORE`` = 0. Memory is bounded per process, so a sandbox holds
+at most ``max_processes`` x ``memory_mb`` (no cgroup limit for the whole sandbox is applied).
 
 Contract: ``run_python`` raises only for invalid arguments and for missing isolation, before
 anything runs. Whatever the program does, it returns within ``timeout_s`` plus a few seconds
 (the whole process tree is killed at the limit; under bubblewrap the pid namespace makes that
-exact), reads output from files the caller holds open (the program cannot replace them with a
-FIFO or a link), and leaves no process and no file behind.
+exact), moves its input, code and output through pipes only the trainer's ends of which it reads
+(no host file is open in the program, so it cannot grow one, swap it for a FIFO or a link, or
+change how the trainer reads it), and leaves no process (no zombie either), no file and no open
+descriptor behind.
 """
 
 from __future__ import annotations
