@@ -26,6 +26,7 @@ is reused only once every process of its sandbox is gone.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import shutil
@@ -140,7 +141,7 @@ def _root_userns() -> int:
 
 
 _uids = threading.Condition()
-_free_uids = list(range(SANDBOX_UID_BASE + SANDBOX_UIDS - 1, SANDBOX_UID_BASE - 1, -1))
+_free_uids = collections.deque(range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UIDS))  # FIFO: an id rests
 
 
 def acquire_uid(timeout_s: float = 60.0) -> int:
@@ -148,7 +149,7 @@ def acquire_uid(timeout_s: float = 60.0) -> int:
     with _uids:
         if not _uids.wait_for(lambda: bool(_free_uids), timeout_s):
             raise OSError(f"all {SANDBOX_UIDS} sandbox user ids are in use")
-        return _free_uids.pop()
+        return _free_uids.popleft()
 
 
 def release_uid(uid: int, *, reusable: bool) -> None:
