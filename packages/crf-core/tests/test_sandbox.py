@@ -97,6 +97,16 @@ def test_signal_death_is_reported_as_a_negative_status(isolation: str) -> None:
     assert "SIGSEGV" in result.describe()
 
 
+def test_stderr_has_its_own_bound(isolation: str) -> None:
+    program = "import sys\nprint('o' * 1000)\nsys.stderr.write('e' * 100000)"
+    result = run_python(program, max_stderr_chars=50, isolation=isolation)  # type: ignore[arg-type]
+    assert result.ok
+    assert result.stdout.strip() == "o" * 1000
+    assert result.stderr.startswith("e" * 50)
+    assert "truncated" in result.stderr
+    assert len(result.stderr) < 200
+
+
 def test_output_is_truncated(isolation: str) -> None:
     result = run_python("print('x' * 100000)", max_output_chars=50, isolation=isolation)  # type: ignore[arg-type]
     assert result.ok
@@ -171,6 +181,7 @@ def test_rlimits_working_directory_is_removed(private_tmp: Path) -> None:
         ({"max_processes": 0}, "max_processes"),
         ({"max_open_files": 3}, "max_open_files"),
         ({"tmp_mb": 0}, "tmp_mb"),
+        ({"max_stderr_chars": 0}, "max_stderr_chars"),
         ({"isolation": "docker"}, "isolation"),
     ],
 )

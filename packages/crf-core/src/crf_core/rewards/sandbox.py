@@ -148,7 +148,7 @@ class SandboxResult:
         returncode: the program's exit status (negative = killed by that signal); ``None`` if it was
             killed at the time limit or never started.
         timed_out: the wall-clock limit was hit.
-        stdout, stderr: captured output, each truncated to ``max_output_chars`` characters.
+        stdout, stderr: captured output, truncated to ``max_output_chars`` (stderr: ``max_stderr_chars``) characters.
         duration_s: wall-clock seconds, start to cleanup.
         isolation: ``"bwrap"`` or ``"rlimits"``.
         error: why the sandbox itself failed (bubblewrap setup, no process could start); ``None``
@@ -196,6 +196,7 @@ def run_python(
     max_processes: int = 16,
     max_open_files: int = 64,
     tmp_mb: int = 64,
+    max_stderr_chars: int | None = None,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a fresh isolated interpreter and capture its output.
 
@@ -212,6 +213,7 @@ def run_python(
         max_processes: ``RLIMIT_NPROC`` (>= 1; threads count).
         max_open_files: ``RLIMIT_NOFILE`` (>= 16).
         tmp_mb: size of the writable ``/tmp`` under bubblewrap, in MiB (> 0).
+        max_stderr_chars: characters kept from stderr (> 0); defaults to ``max_output_chars``.
 
     Returns:
         ``SandboxResult``; never raises for anything the program does.
@@ -220,7 +222,9 @@ def run_python(
         TypeError, ValueError: an invalid argument.
         SandboxUnavailableError: ``isolation="bwrap"`` and bubblewrap is not usable here.
     """
-    limits = _Limits.checked(timeout_s, memory_mb, max_output_chars, max_file_mb, max_processes, max_open_files, tmp_mb)
+    limits = _Limits.checked(
+        timeout_s, memory_mb, max_output_chars, max_file_mb, max_processes, max_open_files, tmp_mb, max_stderr_chars
+    )
     if not isinstance(code, str):
         raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
     if not isinstance(stdin, (str, bytes)):
@@ -306,6 +310,7 @@ class _Limits:
     processes: int
     open_files: int
     tmp_bytes: int
+    stderr_chars: int
 
     @classmethod
     def checked(
@@ -317,6 +322,7 @@ class _Limits:
         max_processes: int,
         max_open_files: int,
         tmp_mb: int,
+        max_stderr_chars: int | None = None,
     ) -> _Limits:
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and 0 < timeout_s < math.inf):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
@@ -330,13 +336,14 @@ class _Limits:
             ("max_processes", max_processes, 1),
             ("max_open_files", max_open_files, 16),
             ("tmp_mb", tmp_mb, 1),
+            ("max_stderr_chars", max_output_chars if max_stderr_chars is None else max_stderr_chars, 1),
         ):
             if not (_is_int(value) and value >= low):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         mib = 1 << 20
         return cls(
             float(timeout_s), memory_mb * mib, max_output_chars, max_file_mb * mib, max_processes, max_open_files,
-            tmp_mb * mib,
+            tmp_mb * mib, max_output_chars if max_stderr_chars is None else max_stderr_chars,
         )  # fmt: skip
 
 
@@ -438,8 +445,8 @@ class _Run:
     ) -> None:
         self.limits, self.isolation = limits, isolation
         self.deadline = time.monotonic() + limits.timeout_s
-        cap = limits.max_output_chars * 4 + 4
-        self.out, self.err = _Stream(stack, cap=cap), _Stream(stack, cap=cap)
+        self.out = _Stream(stack, cap=limits.max_output_chars * 4 + 4)
+        self.err = _Stream(stack, cap=limits.stderr_chars * 4 + 4)
         source = _Stream(stack, data=code.encode("utf-8", errors="surrogatepass"))
         feed = _Stream(stack, data=stdin if isinstance(stdin, bytes) else stdin.encode("utf-8", errors="surrogatepass"))
         self.streams = [self.out, self.err, source, feed]
@@ -538,7 +545,7 @@ class _Run:
             returncode=returncode,
             timed_out=timed_out,
             stdout="" if error else self.out.text(self.limits.max_output_chars),
-            stderr="" if error else self.err.text(self.limits.max_output_chars),
+            stderr="" if error else self.err.text(self.limits.stderr_chars),
             duration_s=time.monotonic() - start,
             isolation=self.isolation,
             error=error,

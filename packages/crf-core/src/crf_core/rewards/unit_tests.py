@@ -44,6 +44,7 @@ _log = logging.getLogger(__name__)
 _HARNESS_SOURCE = Path(_harness.__file__).read_text(encoding="utf-8")
 _RECORD_BUDGET_CHARS = 16_000_000  # the harness spends at most this, plus LINE_RESERVE per line
 _OUTPUT_TAIL_CHARS = 300
+_STDERR_CHARS = 64_000  # of the program's stderr kept (feedback shows the last _OUTPUT_TAIL_CHARS of it)
 _VALUE_CHARS = 200
 _FAILURES_SHOWN = 3
 
@@ -149,6 +150,7 @@ class UnitTestReward:
                 timeout_s=self.timeout_s,
                 memory_mb=self.memory_mb,
                 max_output_chars=_RECORD_BUDGET_CHARS + _harness.LINE_RESERVE * (len(checks) + 2),
+                max_stderr_chars=_STDERR_CHARS,
                 isolation=self.isolation,
             )
             return self._judge(specs, len(checks), result)
