@@ -27,8 +27,14 @@ from crf_core.rewards.record import NotData
         ("assert f(0) is not False", "f(0)", "compare", "is not", False),
         ("assert f(2)", "f(2)", "truthy", "==", None),
         ("assert not f(2)", "f(2)", "falsy", "==", None),
-        ("assert f(2)[0]", "f(2)[0]", "truthy", "==", None),
-        ("assert set(f((3, 4), (4,))) == set((4,))", "set(f((3, 4), (4,)))", "compare", "==", {4}),
+        ("assert f(2)[0]", "f(2)", "expression", "==", None),  # the index runs trainer-side
+        (
+            "assert set(f((3, 4), (4,))) == set((4,))",
+            "f((3, 4), (4,))",
+            "expression",
+            "==",
+            None,
+        ),  # set() runs trainer-side
         ("assert f() == {'a': [1, {2}], 3: frozenset()}", "f()", "compare", "==", {"a": [1, {2}], 3: frozenset()}),
         ("assert f() == float('inf')", "f()", "compare", "==", math.inf),
         ("assert f() == 1 + 2j", "f()", "compare", "==", 1 + 2j),
@@ -183,3 +189,53 @@ def test_extract_code_is_linear_on_hostile_completions() -> None:
         "```x\n" + "a" * n,
     ):
         assert isinstance(extract_code(text), str)
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "assert math.fabs(area(1) - 3.14159) < 1e-6",
+        "assert abs((area(1) - 3.14159) / 3.14159) < 1e-6",
+        "assert (area(1) - 3.14159) ** 2 < 1e-9",
+        "assert round(area(1) - 3.14159, 9) == 0",
+        "assert str(area(1) == 3.14159) == 'True'",
+        "assert [area(1) == 3.14159] == [True]",
+        "assert sorted([area(1)])[0] == 3.14159",
+        "assert area(1) - 3.14159 == 0.0",
+    ],
+)
+def test_operators_of_tolerance_shapes_run_trainer_side(test: str) -> None:
+    """The probe is the call alone; the test's operators run on the returned data (issue 21)."""
+    (check,) = parse_test(test).checks
+    assert check.probe == "area(1)"
+    assert check.passes(3.14159)
+    for wrong in (3.2, 100.0, "3.14159", [3.14159], True, None, NotData("Liar")):
+        assert not check.passes(wrong), wrong
+
+
+def test_operators_on_hostile_data_are_bounded() -> None:
+    """Trainer-side operators refuse unbounded work on returned data instead of running it."""
+    (power,) = parse_test("assert f(1) ** 3 == 8").checks
+    assert power.passes(2)
+    assert not power.passes(1 << 200_000)  # the power would have 600,000 bits
+    (repeat,) = parse_test("assert len(f(1) * 3) == 6").checks
+    assert repeat.passes("ab")
+    assert not parse_test("assert len('a' * f(1)) == 1").checks[0].passes(10**12)
+    (colliding,) = parse_test("assert len(set(f(1))) == 2000").checks
+    assert not colliding.passes([7 + k * ((1 << 61) - 1) for k in range(2000)])
+    assert colliding.passes(list(range(2000)) * 2)
+    (formatting,) = parse_test("assert f(1) % 3 == 1").checks
+    assert formatting.passes(4)
+    assert not formatting.passes("%s")  # no %-formatting of returned strings
+
+
+def test_method_calls_and_repeated_probe() -> None:
+    (lower,) = parse_test("assert f('A').lower() == 'a'").checks
+    assert (lower.probe, lower.kind) == ("f('A')", "expression")
+    assert lower.passes("A")
+    assert not lower.passes(NotData("S"))
+    (spread,) = parse_test("assert max(f(1)) - min(f(1)) == 2").checks
+    assert spread.probe == "f(1)"
+    assert spread.passes([1, 3])
+    (method,) = parse_test("assert Stack(3).size() == 3").checks  # the candidate's own method runs in the sandbox
+    assert method.probe == "Stack(3).size()"

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -469,7 +470,119 @@ for d in (sys.prefix, os.path.dirname(os.__file__), os.path.dirname(sys.executab
 """,
         _all(_ok, _no_line("ESCAPED")),
     ),
+    # -- issue 21: host-backed fds, shared file descriptions, socket families, kernel memory, leaked fds ---------
+    "fallocate-on-inherited-fds": Attack(
+        """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for fd in (0, 1, 2, os.dup(1)):
+    for mode in (1, 0):  # FALLOC_FL_KEEP_SIZE: space reserved beyond RLIMIT_FSIZE's reach; then a plain one
+        if libc.fallocate(fd, mode, ctypes.c_long(0), ctypes.c_long(1 << 30)) == 0:
+            print("ESCAPED fallocate", fd, mode)
+    try:
+        os.ftruncate(fd, 1 << 30)
+        print("ESCAPED ftruncate", fd)
+    except OSError:
+        pass
+""",
+        _all(_ok, _no_line("ESCAPED")),
+    ),
+    "shared-file-description-flags": Attack(  # O_DIRECT on the shared output once made run_python raise
+        """
+import fcntl, os, sys
+for fd in (0, 1, 2):
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    if not target.startswith("pipe:"):
+        print("HOSTFILE", fd, target, flush=True)
+    for flags in (os.O_DIRECT, os.O_DIRECT | os.O_NONBLOCK | os.O_APPEND):
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        except OSError:
+            pass
+for _ in range(100):
+    try:
+        os.write(1, b"z" * 4097)
+        os.write(2, b"q" * 4097)
+    except OSError:
+        pass
+""",
+        _all(_no_line("HOSTFILE"), lambda result, host: _assert_returned(result)),
+    ),
+    "vsock-and-unneeded-socket-families": Attack(
+        """
+import socket
+tries = [(socket.AF_VSOCK, socket.SOCK_STREAM), (socket.AF_PACKET, socket.SOCK_RAW), (socket.AF_ALG, socket.SOCK_SEQPACKET),
+         (socket.AF_UNIX, socket.SOCK_DGRAM), (socket.AF_UNIX, socket.SOCK_SEQPACKET), (socket.AF_NETLINK, socket.SOCK_DGRAM)]
+for family, kind in tries:
+    try:
+        s = socket.socket(family, kind, 9 if family == socket.AF_NETLINK else 0)  # NETLINK_AUDIT
+        if family == socket.AF_VSOCK:
+            s.bind((socket.VMADDR_CID_ANY, 4242))
+            s.listen()
+        print("OPENED", family, kind)
+    except OSError as exc:
+        print("refused", family, kind, exc.errno)
+try:
+    socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    print("OPENED dgram pair")
+except OSError:
+    pass
+a, b = socket.socketpair()  # what programs (multiprocessing) need still works
+a.sendall(b"ok")
+print("stream pair", b.recv(2))
+""",
+        _all(_ok, _no_line("OPENED"), _printed("stream pair b'ok'")),
+    ),
+    "unix-socket-kernel-memory-pinning": Attack(  # queued sockets sent in flight and closed hold kernel memory
+        """
+import array, socket
+carrier, sink = socket.socketpair()
+pinned = 0
+try:
+    for _ in range(5000):
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        try:
+            while True:
+                a.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+        carrier.sendmsg([b"f"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [a.fileno(), b.fileno()]))])
+        a.close()
+        b.close()
+        pinned += 1
+except OSError as exc:
+    print("stopped", exc.errno)
+print("PINNED", pinned, flush=True)
+""",
+        lambda result, host: _assert_pinning_bounded(result),
+        timeout_s=10.0,
+    ),
+    "user-namespace-fd-and-other-leaked-fds": Attack(
+        """
+import os
+for fd in sorted(int(x) for x in os.listdir("/proc/self/fd")):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        continue  # the listing's own fd
+    if fd > 2:
+        print("LEAKED", fd, target)
+""",
+        _all(_ok, _no_line("LEAKED")),
+    ),
 }
+
+
+def _assert_returned(result: SandboxResult) -> None:
+    assert result.error is None
+    assert result.returncode is not None or result.timed_out
+
+
+def _assert_pinning_bounded(result: SandboxResult) -> None:
+    pinned = [int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("PINNED")]
+    assert pinned, result
+    assert pinned[0] <= 64, "sockets held in flight are bounded by RLIMIT_NOFILE (the kernel's in-flight limit)"
 
 
 def _assert_children_bounded(result: SandboxResult) -> None:
@@ -665,9 +778,92 @@ def test_pth_attack_did_not_reach_a_fresh_interpreter(host: Host) -> None:
         _cleanup_escapes(host)
 
 
-SEPARATE_ATTACKS = ("read-trainer-environ-through-proc",)  # its own test above: it needs a second trainer process
+SEPARATE_ATTACKS = (
+    "read-trainer-environ-through-proc",
+    "forking-sibling-starves-an-honest-one",
+    "zombie-bwrap-left-to-init",
+)  # its own test above: it needs a second trainer process
 
 
 def test_the_suite_counts_its_attacks() -> None:
     """The figure quoted in the docs: attacks tried against the sandbox (each must be contained above)."""
-    assert len(ATTACKS) + len(SEPARATE_ATTACKS) == 22
+    assert len(ATTACKS) + len(SEPARATE_ATTACKS) == 29
+
+
+def test_attack_forking_sibling_starves_an_honest_one(host: Host) -> None:
+    """Concurrent sandboxes do not share RLIMIT_NPROC: a sibling holding all its processes does not starve another."""
+    attacker = """
+import os, sys, time
+for _ in range(64):
+    try:
+        if os.fork() == 0:
+            time.sleep(5)
+            os._exit(0)
+    except OSError:
+        break
+print("holding", flush=True)
+time.sleep(5)
+"""
+    honest = """
+import threading
+from multiprocessing import Pool
+out = []
+threads = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+with Pool(2) as pool:
+    print("HONEST", sorted(out) == list(range(8)), pool.map(abs, [-1, -2]))
+"""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        attacks = [pool.submit(run_python, host.program_header() + attacker, timeout_s=4.0) for _ in range(2)]
+        time.sleep(1.5)  # the attackers hold their processes
+        result = run_python(honest, timeout_s=10.0)
+        for attack in attacks:
+            assert attack.result().error is None
+    assert result.ok, result
+    assert "HONEST True [1, 2]" in result.stdout
+
+
+REAPER = """
+import ctypes, json, os, time
+from crf_core.rewards import run_python
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of our runs come here
+for program, timeout in (("print(1)", 3.0), ("import os; os.abort()", 3.0), ("import time; time.sleep(60)", 0.5)):
+    for _ in range(3):
+        run_python(program, timeout_s=timeout)
+time.sleep(0.3)
+orphans = []
+for pid in os.listdir("/proc"):
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        continue
+    if int(fields[1]) == os.getpid():
+        orphans.append([int(pid), fields[0], open(f"/proc/{pid}/comm").read().strip()])
+print(json.dumps(orphans))
+"""
+
+
+def test_attack_zombie_bwrap_left_to_init_is_contained() -> None:
+    """Every bubblewrap process is reaped, after a normal exit, a crash and a timeout alike (none left for init).
+
+    The runs happen in a child subreaper, so whatever they orphan is reparented to it (not to the host's init,
+    where other users' zombies also land) and counted.
+    """
+    done = subprocess.run([sys.executable, "-c", REAPER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+def test_no_descriptor_of_the_trainer_leaks_across_runs() -> None:
+    """Pipes, pidfds and the status stream of every run are closed again, whatever the program did."""
+    run_python("print(1)")  # the one-time user namespace (root) and the bubblewrap check
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    for program, timeout in (("print(1)", 3.0), ("import time; time.sleep(60)", 0.5), ("import os; os.close(1)", 3.0)):
+        for _ in range(2):
+            run_python(program, timeout_s=timeout)
+    assert open_fds() == before

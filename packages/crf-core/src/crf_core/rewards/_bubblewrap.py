@@ -5,21 +5,28 @@ the merged-usr links ``/bin``, ``/lib``, ``/lib64``, ``/sbin``), ``/etc/ld.so.ca
 interpreter's own prefix bound read-only at their host paths; a private ``/proc`` (only the
 sandbox's processes) and ``/dev`` (null, zero, full, random, urandom, tty), both read-only where
 they are filesystems; one writable size-limited tmpfs at ``/tmp``, the working directory and
-``HOME``; the root itself read-only. Nothing else of the host (its home directories, its ``/tmp``,
+``HOME``, and a private one of at most ``SHM_BYTES`` at ``/dev/shm`` (``multiprocessing``'s
+semaphores); the root itself read-only. Nothing else of the host (its home directories, its ``/tmp``,
 site-packages, sockets) exists inside. The environment is cleared; bubblewrap puts the program in
-a new session and kills it when the caller dies (``--die-with-parent``). All capabilities are
+a new session and kills it when the caller dies (``--die-with-parent``); the program's bootstrap,
+not bubblewrap, is the pid namespace's init (``--as-pid-1``; bubblewrap 0.8's own init is left for
+the host's init to reap once bubblewrap exits). All capabilities are
 dropped and the seccomp filter of :mod:`crf_core.rewards._seccomp` is applied.
 
-User ids: run by a normal user, the sandbox's user is that user in a new user namespace (nested
-user namespaces disabled), so ``RLIMIT_NPROC`` counts only the sandbox's processes. Run by root,
-the kernel ignores ``RLIMIT_NPROC`` for uid 0, so the sandbox joins a user namespace created once
-per trainer process that maps its uid 0 to root (bubblewrap sets up the mounts as root, so it can
-read an interpreter under ``/root``) and 65534 to ``nobody``; the bootstrap then drops to 65534
-(``CAP_SETUID``/``CAP_SETGID`` are the only capabilities kept, and only until that drop).
+User ids: run by a normal user, the sandbox's user is that user in a new user namespace of its own
+(nested user namespaces disabled), so ``RLIMIT_NPROC`` counts only the sandbox's processes. Run by
+root, the kernel ignores ``RLIMIT_NPROC`` for uid 0, so the sandbox joins a user namespace created
+once per trainer process that maps its uid 0 to root (bubblewrap sets up the mounts as root, so it
+can read an interpreter under ``/root``) and ``SANDBOX_UIDS`` ids from ``SANDBOX_UID_BASE`` to the
+same host ids; each running sandbox takes one of them (``acquire_uid``), so no two concurrent
+sandboxes share a process count, in-flight socket or pipe-buffer quota, and the bootstrap drops to
+it (``CAP_SETUID``/``CAP_SETGID`` are the only capabilities kept, and only until that drop). An id
+is reused only once every process of its sandbox is gone.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import shutil
@@ -29,10 +36,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BWRAP_PACKAGE", "SANDBOX_UID", "Interpreter", "bwrap_command", "interpreter"]
+__all__ = [
+    "BWRAP_PACKAGE", "SANDBOX_UIDS", "SANDBOX_UID_BASE", "Interpreter", "acquire_uid", "bwrap_command", "interpreter",
+    "release_uid",
+]  # fmt: skip
 
 BWRAP_PACKAGE = "bubblewrap"
-SANDBOX_UID = 65534  # nobody: the uid untrusted code runs as when the trainer is root
+SANDBOX_UID_BASE = 1_900_000_000  # host ids no account uses: what untrusted code runs as when the trainer is root
+SANDBOX_UIDS = 1024  # concurrent sandboxes of one root trainer process
+SHM_BYTES = 16 << 20  # the private /dev/shm (POSIX semaphores and shared memory of multiprocessing)
 _USR_LINKS = ("/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin")
 _CLONE_NEWUSER = 0x10000000
 _USERNS_HELPER = f"""
@@ -94,7 +106,7 @@ _userns_fd: int | None = None
 
 
 def _root_userns() -> int:
-    """A user namespace fd mapping 0 -> root and SANDBOX_UID -> SANDBOX_UID (created once; root only).
+    """A user namespace fd mapping 0 -> root and the sandbox ids to themselves (created once; root only).
 
     Raises OSError when the kernel refuses (no user namespaces, or a container without the rights).
     """
@@ -113,7 +125,7 @@ def _root_userns() -> int:
             if helper.stdout.read(1) != b"r":
                 err = helper.stderr.read().decode(errors="replace") if helper.stderr else ""
                 raise OSError(f"cannot create a user namespace: {err.strip() or 'helper failed'}")
-            mapping = f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n"
+            mapping = f"0 0 1\n{SANDBOX_UID_BASE} {SANDBOX_UID_BASE} {SANDBOX_UIDS}\n"
             for name in ("uid_map", "gid_map"):
                 Path(f"/proc/{helper.pid}/{name}").write_text(mapping, encoding="ascii")
             _userns_fd = os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
@@ -126,6 +138,26 @@ def _root_userns() -> int:
             for stream in (helper.stdout, helper.stderr):
                 if stream is not None:
                     stream.close()
+
+
+_uids = threading.Condition()
+_free_uids = collections.deque(range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UIDS))  # FIFO: an id rests
+
+
+def acquire_uid(timeout_s: float = 60.0) -> int:
+    """A sandbox id no running sandbox has (waits while all ``SANDBOX_UIDS`` are taken); OSError after ``timeout_s``."""
+    with _uids:
+        if not _uids.wait_for(lambda: bool(_free_uids), timeout_s):
+            raise OSError(f"all {SANDBOX_UIDS} sandbox user ids are in use")
+        return _free_uids.popleft()
+
+
+def release_uid(uid: int, *, reusable: bool) -> None:
+    """Give ``uid`` back once its sandbox is gone; one whose processes may survive is never handed out again."""
+    with _uids:
+        if reusable:
+            _free_uids.append(uid)
+            _uids.notify()
 
 
 def bwrap_command(
@@ -147,12 +179,12 @@ def bwrap_command(
         userns = _root_userns()
         argv += ["--userns", str(userns), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         fds.append(userns)
-        drop_uid = SANDBOX_UID
+        drop_uid = acquire_uid()
     else:
         argv += ["--unshare-user", "--disable-userns"]
         drop_uid = -1
     argv += [
-        "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
         *_filesystem(python, tmp_bytes),
     ]  # fmt: skip
@@ -182,7 +214,8 @@ def _filesystem(python: Interpreter, tmp_bytes: int) -> tuple[str, ...]:
     for path in [*cache, *binds]:
         argv += ["--ro-bind", path, path]
     argv += [
-        "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+        "--proc", "/proc", "--dev", "/dev",
+        "--perms", "1777", "--size", str(min(tmp_bytes, SHM_BYTES)), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
         "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
         "--remount-ro", "/", "--chdir", "/tmp",
     ]  # fmt: skip

@@ -3,8 +3,9 @@
 Standard library only, and only modules built into the interpreter until something fails (each
 import is paid on every evaluation); run as ``__main__`` by ``run_python`` (its source is this
 file's text). It reads a job from stdin, a ``marshal``-encoded dict ``{"code", "setup", "probes",
-"entry_point"}`` written by the trainer (``marshal`` only ever reads trusted bytes here), where a
-probe is ``(source, "eval" | "exec")``. It runs ``code`` (the candidate) in a fresh namespace, then the
+"entry_point", "budget"}`` written by the trainer (``marshal`` only ever reads trusted bytes here), where a
+probe is ``(source, "eval" | "exec")``. It runs ``code`` (the candidate) as a fresh module registered as
+``sys.modules["__main__"]`` (as ``python file.py`` would; no future flags inherited), then the
 ``setup`` imports, binds ``candidate`` to ``entry_point`` when given, and evaluates each probe
 there. The expected values never enter the sandbox.
 
@@ -17,7 +18,12 @@ stderr. Lines: ``{"load": null | RAISED}``, then (if the load succeeded) one ``{
 data: ``["N"]`` None, ``["b", bool]``, ``["i", hex]``, ``["f", repr]``, ``["c", repr, repr]``,
 ``["s", str]``, ``["y", hex]`` bytes, ``["l"|"t"|"S"|"F", [VALUE...]]`` list, tuple, set, frozenset,
 ``["d", [[VALUE, VALUE]...]]`` dict, ``["q", hex, hex]`` Fraction, ``["D", str]`` Decimal, and
-``["?", type name]`` for anything that is not plain data (or is too big or too deep to report).
+``["?", type name]`` for anything else (or too big or too deep to report). Values are read with the
+builtin types' own methods, never the object's: the trainer receives exact builtin data, and a
+subclass with a lying ``__eq__``, ``__sub__`` or ``__str__`` is reported as the plain value it stores.
+Sizes match what the trainer reads (``MAX_INT_BITS``, ``MAX_DECIMAL_CHARS``); the whole record
+spends at most ``budget`` characters, then each further line is a short stand-in (at most
+``LINE_RESERVE``), so a large value costs its own test, never the others.
 
 The candidate shares this process and can rewrite any of it: the trainer treats every line as
 untrusted data (``crf_core.rewards.record``). Whatever is forged here can claim values, not passes.
@@ -34,10 +40,16 @@ if TYPE_CHECKING:
     from typing import Any
 
 MAX_DEPTH = 64
-MAX_VALUE_CHARS = 200_000  # budget of one encoded value (characters of strings + nodes)
+MAX_VALUE_CHARS = 2_000_000  # budget of one encoded value (an upper bound on its JSON characters)
+MAX_INT_BITS = 262_144  # the trainer reads ints of up to 65,536 hex digits (crf_core.rewards.record)
+MAX_DECIMAL_CHARS = 4_300  # and Decimal texts of up to 4,300 characters
 MAX_MESSAGE_CHARS = 500
 MAX_TRACEBACK_CHARS = 1500
-_SEQUENCES = ((list, "l"), (tuple, "t"), (set, "S"), (frozenset, "F"))
+_SEQUENCES: tuple[tuple[type, str, Any], ...] = (
+    (list, "l", list.__iter__), (tuple, "t", tuple.__iter__), (set, "S", set.__iter__),
+    (frozenset, "F", frozenset.__iter__),
+)  # fmt: skip
+_REAL, _IMAG = complex.real.__get__, complex.imag.__get__
 
 
 class _TooBig(Exception):
@@ -64,39 +76,49 @@ def _spend(budget: list[int], amount: int) -> None:
 
 
 def _encode(value: Any, depth: int, budget: list[int]) -> list[Any]:
+    """Reads go through the builtin types' own methods (``int.__index__``, ``list.__iter__``, ...), so a subclass
+    (``Counter``, a namedtuple) is reported as the builtin value it stores and none of its own methods runs."""
     if depth > MAX_DEPTH:
         raise RecursionError
-    _spend(budget, 1)
+    _spend(budget, 8)
     if value is None:
         return ["N"]
-    if isinstance(value, bool):
-        return ["b", bool(value)]
+    if type(value) is bool:
+        return ["b", value is True]
     if isinstance(value, int):
-        digits = format(int.__index__(value), "x")
+        number = int.__index__(value)
+        if number.bit_length() > MAX_INT_BITS:
+            raise _TooBig
+        digits = format(number, "x")
         _spend(budget, len(digits))
         return ["i", digits]
     if isinstance(value, float):
         return ["f", float.__repr__(value)]
     if isinstance(value, complex):
-        return ["c", float.__repr__(value.real), float.__repr__(value.imag)]
+        return ["c", float.__repr__(_REAL(value)), float.__repr__(_IMAG(value))]
     if isinstance(value, str):
         text = str.__str__(value)
-        _spend(budget, len(text))
+        _spend(budget, 6 * len(text))  # JSON escapes are at most 6 characters per character
         return ["s", text]
     if isinstance(value, (bytes, bytearray)):
-        _spend(budget, 2 * len(value))
-        return ["y", bytes(value).hex()]
-    for kind, tag in _SEQUENCES:
+        data = bytes.__bytes__(value) if isinstance(value, bytes) else bytes(bytearray.__iter__(value))  # type: ignore[attr-defined]
+        _spend(budget, 2 * len(data))
+        return ["y", data.hex()]
+    for kind, tag, items in _SEQUENCES:
         if isinstance(value, kind):
-            return [tag, [_encode(item, depth + 1, budget) for item in value]]
+            return [tag, [_encode(item, depth + 1, budget) for item in items(value)]]
     if isinstance(value, dict):
         return ["d", [[_encode(k, depth + 1, budget), _encode(v, depth + 1, budget)] for k, v in dict.items(value)]]
     fractions, decimal = sys.modules.get("fractions"), sys.modules.get("decimal")
-    if fractions is not None and isinstance(value, fractions.Fraction):
-        return ["q", format(value.numerator, "x"), format(value.denominator, "x")]
-    if decimal is not None and isinstance(value, decimal.Decimal):
-        text = str(value)
-        _spend(budget, len(text))
+    if fractions is not None and type(value) is fractions.Fraction:  # classes written in Python: exact type only
+        numerator, denominator = int.__index__(value._numerator), int.__index__(value._denominator)
+        if max(numerator.bit_length(), denominator.bit_length()) > MAX_INT_BITS:
+            raise _TooBig
+        return ["q", format(numerator, "x"), format(denominator, "x")]
+    if decimal is not None and type(value) is decimal.Decimal:
+        text = str.__str__(decimal.Decimal.__str__(value))  # type: ignore[call-arg]
+        if len(text) > MAX_DECIMAL_CHARS:
+            raise _TooBig
         return ["D", text]
     return ["?", _type_name(value)]
 
@@ -153,25 +175,53 @@ def _raised(exc: BaseException) -> dict[str, str]:
     }
 
 
+def _dumps_large(obj: Any) -> str:
+    """``dumps`` through the json module's C encoder (imported only for large values; the same text once read)."""
+    import json
+
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), check_circular=False)
+
+
+LINE_RESERVE = 200  # the longest line written once the budget is spent (the trainer reads budget + this per line)
+
+
+def _fallback(line: dict[str, Any]) -> dict[str, Any]:
+    """A short stand-in for a result line that does not fit the record's budget."""
+    if "raised" not in line:
+        return {"value": ["?", "value not reported: the record's size budget is spent"]}
+    kind = "".join(c for c in str(line["raised"]["type"])[:40] if c.isalnum() or c in "_.")
+    return {"raised": {"type": kind or "Exception", "message": "(not reported: the record is full)", "traceback": ""}}
+
+
 def main() -> None:
     """Run the job on stdin and write the record (see the module docstring)."""
     channel = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="backslashreplace")
     os.dup2(2, 1)  # from here on the candidate's prints go to stderr
     emit_line, flush, encode_line, run, build, ns_exit = channel.write, channel.flush, dumps, exec, compile, os._exit
     evaluate = eval
+    job = marshal.loads(sys.stdin.buffer.read())
+    budget = [int(job["budget"])]
 
-    def emit(obj: object) -> None:
-        emit_line(encode_line(obj) + "\n")
+    def emit(obj: dict[str, Any], large: bool = False) -> None:
+        text = _dumps_large(obj) if large else encode_line(obj)
+        if len(text) > budget[0]:
+            text = encode_line(_fallback(obj))
+        else:
+            budget[0] -= len(text)
+        emit_line(text + "\n")
         flush()
 
-    job = marshal.loads(sys.stdin.buffer.read())
     code = job["code"]
     _SOURCES["<candidate>"] = code
-    namespace: dict[str, Any] = {"__name__": "__candidate__"}
+    # The candidate's own module, registered as __main__ as when run by `python file.py` (dataclasses and pickle
+    # look classes up there); compiled without this file's future flags (dont_inherit).
+    module = type(sys)("__main__")
+    sys.modules["__main__"] = module
+    namespace: dict[str, Any] = module.__dict__
     try:
-        run(build(code, "<candidate>", "exec"), namespace)
+        run(build(code, "<candidate>", "exec", dont_inherit=True), namespace)
         for statement in job["setup"]:
-            run(build(statement, "<test>", "exec"), namespace)
+            run(build(statement, "<test>", "exec", dont_inherit=True), namespace)
         if job["entry_point"]:
             if job["entry_point"] not in namespace:
                 raise NameError(f"the code does not define {job['entry_point']!r}, the function under test")
@@ -183,15 +233,17 @@ def main() -> None:
     emit({"load": None})
     probes = job["probes"]
     for source, mode in probes:
+        spent = [MAX_VALUE_CHARS]
         try:
             if mode == "exec":
-                run(build(source, "<test>", "exec"), namespace)
+                run(build(source, "<test>", "exec", dont_inherit=True), namespace)
                 line: dict[str, Any] = {"value": ["N"]}
             else:
-                line = {"value": encode(evaluate(build(source, "<test>", "eval"), namespace))}
+                value = evaluate(build(source, "<test>", "eval", dont_inherit=True), namespace)
+                line = {"value": encode(value, 0, spent)}
         except BaseException as exc:
             line = {"raised": _raised(exc)}
-        emit(line)
+        emit(line, large=spent[0] < MAX_VALUE_CHARS - 20_000)
     emit({"end": len(probes)})
     ns_exit(0)
 

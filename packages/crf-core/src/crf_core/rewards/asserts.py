@@ -13,7 +13,17 @@ constant (literals, ``-x``, arithmetic on numbers, ``set(...)``/``tuple(...)``/`
 * ``assert math.isclose(P, E, rel_tol=..., abs_tol=...)`` (also ``isclose``, ``cmath.isclose``);
 * ``assert abs(P - E) < tol`` (or ``<=``, or ``abs(E - P)``);
 * ``assert isinstance(P, T)`` for builtin types ``T`` (checked on the returned data);
-* ``import`` statements, run in the sandbox before the probes (MBPP's ``test_setup_code``).
+* ``import`` statements, run in the sandbox before the probes (MBPP's ``test_setup_code``);
+* any other assertion over one probe built from one comparison, arithmetic, ``and``/``or``/``not``,
+  indexing and slicing, displays, builtin methods of the returned data (``.lower()``, ``.keys()``)
+  and ``abs``, ``round``, ``len``, ``str``, ``sorted``, ``set``, ``sum``, ``min``, ``max``,
+  ``math.fabs``, ``math.floor``, ``math.isclose`` and the like (``crf_core.rewards._verdict``), e.g.
+  ``math.fabs(P - E) < tol``, ``abs((P - E) / E) < tol``, ``(P - E) ** 2 < tol``,
+  ``round(P - E, 9) == 0``, ``str(P == E) == "True"``, ``sorted(P)[0] == E``.
+
+The probe is only the call of the candidate's (``f(x)``, ``Cls(x).method()``); every operator the
+test applies to its value runs on the trainer side, on the returned plain data, so an object with a
+lying ``__sub__``, ``__eq__`` or ``__str__`` takes part in nothing.
 
 ``assert P, "message"`` is accepted (the message is ignored). A probe whose value would itself be
 the verdict (``assert f(x) == g(y)``, ``assert all(...)``, a loop) cannot be split: the candidate
@@ -36,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
+from crf_core.rewards._verdict import BINARY, CALLS, METHODS, UNARY, call_method
 from crf_core.rewards.record import NotData, bounded_repr
 
 __all__ = ["MAX_TEST_CHARS", "Check", "UnitTest", "Unsplittable", "UnsplittableTestError", "parse_test", "parse_tests"]
@@ -68,14 +79,13 @@ _BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
 }  # fmt: skip
 _BUILTIN_NAMES = frozenset(dir(builtins)) | {"math", "cmath"}
-_VERDICT_CALLS = {"all", "any", "callable", "hasattr", "issubclass", "bool", "isinstance"}
 
 
 class UnsplittableTestError(ValueError):
     """A unit test is not in a shape whose verdict can be kept out of the sandbox (the message names it)."""
 
 
-Kind = Literal["compare", "truthy", "falsy", "isclose", "absdiff", "isinstance", "ran"]
+Kind = Literal["compare", "truthy", "falsy", "isclose", "absdiff", "isinstance", "expression", "ran"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,8 @@ class Check:
         probe: expression evaluated in the sandbox (a whole statement when ``kind == "ran"``).
         kind: ``compare`` (``op``), ``truthy``, ``falsy``, ``isclose`` (``rel_tol``, ``abs_tol``),
             ``absdiff`` (``abs(got - expected) op tol``), ``isinstance`` (``expected`` is a type),
+            ``expression`` (any other assertion over one probe: ``program`` applies the test's
+            operators to the returned data on the trainer side, see ``crf_core.rewards._verdict``),
             ``ran`` (passes when the statement raised nothing: the weaker, opt-in mode).
     """
 
@@ -98,6 +110,7 @@ class Check:
     rel_tol: float = 1e-9
     abs_tol: float = 0.0
     tol: float = 0.0
+    program: Callable[[Any], Any] | None = field(default=None, compare=False, repr=False)
 
     def passes(self, got: object) -> bool:
         """The verdict on the value the probe returned (decoded data). Never raises."""
@@ -119,6 +132,9 @@ class Check:
             return not got
         if self.kind == "isinstance":
             return isinstance(got, self.expected)
+        if self.kind == "expression":
+            assert self.program is not None
+            return bool(self.program(got))
         if not _is_number(got):
             return False
         if self.kind == "isclose":  # cmath's formula is math.isclose's, extended to complex numbers
@@ -141,6 +157,8 @@ class Check:
             return f"a number close to {bounded_repr(self.expected)} (rel_tol={self.rel_tol}, abs_tol={self.abs_tol})"
         if self.kind == "absdiff":
             return f"a number within {self.tol} of {bounded_repr(self.expected)}"
+        if self.kind == "expression":
+            return "a value for which the assertion holds"
         return "no exception"
 
 
@@ -207,6 +225,22 @@ def parse_test(source: str, unsplittable: Unsplittable = "refuse") -> UnitTest:
 
 
 def _split(test: ast.expr, text: str) -> Check | None:
+    """The assertion's check: one of the fixed shapes, else a trainer-side expression over one probe, else None."""
+    try:
+        simple = _split_simple(test, text)
+        if simple is not None:
+            return simple
+        leaves: list[ast.expr] = []
+        program, _ = _compile(test, leaves)
+    except (_NotSplittableError, RecursionError):
+        return None
+    probes = {ast.unparse(leaf) for leaf in leaves}
+    if len(probes) != 1:
+        return None  # none: nothing under test; several: the candidate would decide how they compare
+    return Check(text, probes.pop(), "expression", program=program)
+
+
+def _split_simple(test: ast.expr, text: str) -> Check | None:
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         return _split_compare(test.left, _OPS[type(test.ops[0])], test.comparators[0], text)
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
@@ -281,16 +315,160 @@ def _split_isclose(call: ast.Call, text: str) -> Check | None:
 
 
 def _is_probe(node: ast.expr) -> bool:
-    """Whether ``node`` is a value under test: it names something of the candidate's, and is not a verdict."""
-    if _constant(node) is not _NOT_CONST:
-        return False
-    if not any(isinstance(n, ast.Name) and n.id not in _BUILTIN_NAMES for n in ast.walk(node)):
-        return False  # nothing of the candidate's is called: the value is fixed in advance
-    if isinstance(node, (ast.Compare, ast.BoolOp, ast.Lambda, ast.NamedExpr)):
-        return False
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        return False
-    return not (isinstance(node, ast.Call) and _call_name(node) in _VERDICT_CALLS)
+    """Whether ``node`` is a value under test: a name of the candidate's, or a call, attribute or item of one.
+
+    Nothing the test applies to that value (a comparison, arithmetic, an index, ``abs``, ``str``, ``sorted``, a
+    builtin method such as ``.lower()``) is part of the probe: it runs on the trainer side, on the returned data
+    (``_compile``).
+    """
+    root = node
+    while True:
+        if isinstance(root, ast.Name):
+            return root.id not in _BUILTIN_NAMES
+        if isinstance(root, ast.Call):
+            if isinstance(root.func, ast.Attribute) and root.func.attr in METHODS:
+                return False  # f(x).lower(): a builtin method the trainer applies to the returned data
+            root = root.func
+        elif isinstance(root, ast.Attribute):
+            root = root.value
+        else:
+            return False  # f(x)[0] included: the trainer indexes the returned data
+
+
+_Program = Callable[[Any], Any]
+_BINARY_OPS: dict[type[ast.operator], str] = {
+    ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
+}  # fmt: skip
+_UNARY_OPS: dict[type[ast.unaryop], str] = {ast.USub: "-", ast.UAdd: "+", ast.Not: "not", ast.Invert: "~"}
+
+
+class _NotSplittableError(Exception):
+    pass
+
+
+def _compile(node: ast.expr, leaves: list[ast.expr]) -> tuple[_Program, bool]:
+    """``(function of the probe's value, whether node holds the probe)`` for the trainer-side part of an assertion.
+
+    Allowed: constants (``_constant``), the probe (``_is_probe``; appended to ``leaves``), and over them one
+    comparison, the arithmetic and unary operators, ``and``/``or``, displays, subscripts and slices, ``isinstance``
+    with builtin types and the calls of ``_verdict.CALLS``. A part without the probe must be a constant.
+    """
+    constant = _constant(node)
+    if constant is not _NOT_CONST:
+        return (lambda value: constant), False
+    if _is_probe(node):
+        leaves.append(node)
+        return (lambda value: value), True
+    parts: list[_Program]
+    held: bool
+    if isinstance(node, ast.Compare):
+        if len(node.ops) != 1:
+            raise _NotSplittableError
+        op = _OPS[type(node.ops[0])]
+        if op in ("is", "is not") and not any(
+            (c := _constant(side)) is None or isinstance(c, bool) for side in (node.left, node.comparators[0])
+        ):
+            raise _NotSplittableError  # identity with other objects cannot be checked across processes
+        (left, a), (right, b) = _compile(node.left, leaves), _compile(node.comparators[0], leaves)
+        compare = _COMPARE[op]
+        program, held = (lambda value: compare(left(value), right(value))), a or b
+    elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+        (left, a), (right, b) = _compile(node.left, leaves), _compile(node.right, leaves)
+        binary = BINARY[_BINARY_OPS[type(node.op)]]
+        program, held = (lambda value: binary(left(value), right(value))), a or b
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
+        operand, held = _compile(node.operand, leaves)
+        unary = UNARY[_UNARY_OPS[type(node.op)]]
+        program = lambda value: unary(operand(value))  # noqa: E731
+    elif isinstance(node, ast.BoolOp):
+        compiled = [_compile(v, leaves) for v in node.values]
+        parts, held = [p for p, _ in compiled], any(h for _, h in compiled)
+        program = _all_of(parts) if isinstance(node.op, ast.And) else _any_of(parts)
+    elif isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        if any(isinstance(e, ast.Starred) for e in node.elts):
+            raise _NotSplittableError
+        compiled = [_compile(e, leaves) for e in node.elts]
+        parts, held = [p for p, _ in compiled], any(h for _, h in compiled)
+        builders: dict[type, Callable[[list[Any]], Any]] = {ast.List: list, ast.Tuple: tuple, ast.Set: CALLS["set"][0]}
+        build = builders[type(node)]
+        program = lambda value: build([p(value) for p in parts])  # noqa: E731
+    elif isinstance(node, ast.Subscript):
+        (container, a), (index, b) = _compile(node.value, leaves), _compile_index(node.slice, leaves)
+        program, held = (lambda value: container(value)[index(value)]), a or b
+    elif isinstance(node, ast.Call):
+        program, held = _compile_call(node, leaves)
+    else:
+        raise _NotSplittableError
+    if not held:
+        raise _NotSplittableError  # a part without the probe that is not a constant (e.g. 2 ** 10, sorted([3, 1]))
+    return program, held
+
+
+def _compile_index(node: ast.expr, leaves: list[ast.expr]) -> tuple[_Program, bool]:
+    if not isinstance(node, ast.Slice):
+        return _compile(node, leaves)
+    bounds = [
+        (lambda value: None, False) if b is None else _compile(b, leaves) for b in (node.lower, node.upper, node.step)
+    ]
+    (lower, _), (upper, _), (step, _) = bounds
+    return (lambda value: slice(lower(value), upper(value), step(value))), any(h for _, h in bounds)
+
+
+def _compile_call(node: ast.Call, leaves: list[ast.expr]) -> tuple[_Program, bool]:
+    name = _call_name(node)
+    if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        raise _NotSplittableError
+    if isinstance(node.func, ast.Attribute) and node.func.attr in METHODS and not node.keywords:
+        (receiver, held), method = _compile(node.func.value, leaves), node.func.attr
+        compiled = [_compile(a, leaves) for a in node.args]
+        arguments = [p for p, _ in compiled]
+        return (lambda value: call_method(receiver(value), method, [a(value) for a in arguments])), held or any(
+            h for _, h in compiled
+        )
+    if name == "isinstance" and len(node.args) == 2 and not node.keywords:
+        kind = _type_arg(node.args[1])
+        if kind is None:
+            raise _NotSplittableError
+        subject, held = _compile(node.args[0], leaves)
+        return (lambda value: isinstance(subject(value), kind)), held
+    if name not in CALLS:
+        raise _NotSplittableError
+    function, keywords = CALLS[name]
+    if any(k.arg not in keywords for k in node.keywords):
+        raise _NotSplittableError
+    compiled = [_compile(a, leaves) for a in node.args]
+    named = [(str(k.arg), *_compile(k.value, leaves)) for k in node.keywords]
+    args = [p for p, _ in compiled]
+    held = any(h for _, h in compiled) or any(h for _, _, h in named)
+
+    def call(value: Any) -> Any:
+        return function(*[a(value) for a in args], **{k: p(value) for k, p, _ in named})
+
+    return call, held
+
+
+def _all_of(parts: list[_Program]) -> _Program:
+    def run(value: Any) -> Any:
+        result: Any = True
+        for part in parts:
+            result = part(value)
+            if not result:
+                return result
+        return result
+
+    return run
+
+
+def _any_of(parts: list[_Program]) -> _Program:
+    def run(value: Any) -> Any:
+        result: Any = False
+        for part in parts:
+            result = part(value)
+            if result:
+                return result
+        return result
+
+    return run
 
 
 def _call_name(call: ast.Call) -> str:

@@ -33,8 +33,9 @@ __all__ = [
 ]
 
 MAX_DEPTH = 66  # the harness stops at 64 levels below the top; a little slack for its own wrapping
-MAX_INT_HEX_DIGITS = 16_384  # 65,536 bits
+MAX_INT_HEX_DIGITS = 65_536  # 262,144 bits (math.factorial(20000) fits)
 MAX_NUMBER_TEXT = 64
+MAX_DECIMAL_TEXT = 4_300  # as many digits as Python converts between int and str by default
 MAX_HASH_MULTIPLICITY = 8
 _HEX = re.compile(rf"-?[0-9a-f]{{1,{MAX_INT_HEX_DIGITS}}}")
 _SCALAR_TAGS = {"N": 1, "b": 2, "i": 2, "f": 2, "c": 3, "s": 2, "y": 2, "q": 3, "D": 2, "?": 2}
@@ -159,7 +160,7 @@ def decode_value(node: Any, depth: int = 0) -> object:
     if tag in _CONTAINERS:
         if len(node) != 2 or not isinstance(node[1], list):
             raise MalformedRecord(f"malformed {tag!r} value")
-        items = [decode_value(item, depth + 1) for item in node[1]]
+        items = [_decode_item(item, depth + 1) for item in node[1]]
         kind = _CONTAINERS[tag]
         if kind is set or kind is frozenset:
             return kind(_hashable(items))
@@ -177,6 +178,18 @@ def decode_value(node: Any, depth: int = 0) -> object:
     if _SCALAR_TAGS.get(tag) != len(node):
         raise MalformedRecord(f"malformed value with tag {tag!r}")
     return _scalar(tag, node[1:])
+
+
+def _decode_item(node: Any, depth: int) -> object:
+    """``decode_value`` with a fast path for the commonest elements (short ints and strings)."""
+    if type(node) is list and len(node) == 2:
+        tag, arg = node
+        if type(arg) is str:
+            if tag == "s":
+                return arg
+            if tag == "i" and len(arg) <= 16 and _HEX.fullmatch(arg):
+                return int(arg, 16)
+    return decode_value(node, depth)
 
 
 def _scalar(tag: str, args: list[Any]) -> object:
@@ -204,7 +217,7 @@ def _scalar(tag: str, args: list[Any]) -> object:
             return bytes.fromhex(args[0])
         except ValueError:
             raise MalformedRecord("malformed bytes") from None
-    if any(len(a) > MAX_NUMBER_TEXT for a in args):
+    if any(len(a) > (MAX_DECIMAL_TEXT if tag == "D" else MAX_NUMBER_TEXT) for a in args):
         raise MalformedRecord("oversized number")
     try:
         if tag == "f":

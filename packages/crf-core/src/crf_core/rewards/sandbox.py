@@ -7,9 +7,10 @@ Two isolation levels:
 ``isolation="bwrap"`` (the default) runs it under bubblewrap: new user, pid, network, ipc, uts and
 cgroup namespaces; a read-only root holding only ``/usr``, the interpreter's prefix and
 ``/etc/ld.so.cache``; private ``/proc`` and ``/dev``; one writable tmpfs of ``tmp_mb`` MiB at
-``/tmp`` (working directory, ``HOME``, ``TMPDIR``), gone when the run ends; a cleared environment;
-no capabilities; a seccomp filter against memory held outside the rlimits and against namespace
-and mount calls; killed with the caller (``--die-with-parent``). Details:
+``/tmp`` (working directory, ``HOME``, ``TMPDIR``) and a small one at ``/dev/shm``, gone when the
+run ends; a cleared environment; no capabilities; a seccomp filter against memory held outside the
+rlimits, namespace and mount calls and unneeded socket families; its own uid per concurrent
+sandbox when the trainer is root; killed with the caller (``--die-with-parent``). Details:
 ``crf_core.rewards._bubblewrap``. When bubblewrap is not usable, ``run_python`` refuses with
 ``SandboxUnavailableError`` naming the ``bubblewrap`` package.
 
@@ -22,13 +23,17 @@ or leaving processes that left its process group (``setsid``).
 Both set, before the untrusted code runs: ``RLIMIT_AS`` = ``memory_mb``, ``RLIMIT_CPU`` = the time
 limit, ``RLIMIT_FSIZE`` = ``max_file_mb``, ``RLIMIT_NOFILE`` = ``max_open_files``,
 ``RLIMIT_NPROC`` = ``max_processes`` (under bubblewrap it counts only the sandbox's processes; a
-root trainer's sandbox runs as uid 65534 so that the kernel applies it), ``RLIMIT_CORE`` = 0.
+root trainer's sandbox runs as a uid of its own so that the kernel applies it and no concurrent
+sandbox shares the count), ``RLIMIT_CORE`` = 0. Memory is bounded per process, so a sandbox holds
+at most ``max_processes`` x ``memory_mb`` (no cgroup limit for the whole sandbox is applied).
 
 Contract: ``run_python`` raises only for invalid arguments and for missing isolation, before
 anything runs. Whatever the program does, it returns within ``timeout_s`` plus a few seconds
 (the whole process tree is killed at the limit; under bubblewrap the pid namespace makes that
-exact), reads output from files the caller holds open (the program cannot replace them with a
-FIFO or a link), and leaves no process and no file behind.
+exact), moves its input, code and output through pipes only the trainer's ends of which it reads
+(no host file is open in the program, so it cannot grow one, swap it for a FIFO or a link, or
+change how the trainer reads it), and leaves no process (no zombie either), no file and no open
+descriptor behind.
 """
 
 from __future__ import annotations
@@ -46,9 +51,9 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import IO, Literal
+from typing import Literal
 
-from crf_core.rewards._bubblewrap import BWRAP_PACKAGE, Interpreter, bwrap_command, find_bwrap, interpreter
+from crf_core.rewards._bubblewrap import BWRAP_PACKAGE, Interpreter, bwrap_command, find_bwrap, interpreter, release_uid
 from crf_core.rewards._seccomp import seccomp_filter
 from crf_core.rewards._tree import remove_tree
 
@@ -73,12 +78,29 @@ _INSTALL_HINT = (
     "or opt into isolation='rlimits' (resource limits only, no namespaces)"
 )
 
-# Runs inside the sandbox before the untrusted code: read the code from its file descriptor, set the
-# rlimits, drop to the sandbox uid (root trainers), then run the code as module __main__ (source kept as main.py in
-# the cwd for tracebacks).
+# Runs inside the sandbox before the untrusted code. Under bubblewrap it is the pid namespace's init
+# (``--as-pid-1``): it forks the program and reaps every process until the program exits, then exits
+# with its status (128 + N for signal N), which ends the namespace; bubblewrap, its parent, reaps it,
+# so no process is ever left for the host's init. The program: read the code from its file
+# descriptor, set the rlimits, drop to the sandbox uid (root trainers), then run the code as module
+# __main__ (source kept as main.py in the cwd for tracebacks).
 _BOOTSTRAP = r"""
 import os, resource, sys
 _a = [int(x) for x in sys.argv[1:]]
+if _a[7]:
+    _child = os.fork()
+    if _child:
+        os.closerange(0, 1 << 16)
+        while True:
+            try:
+                _pid, _status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                os._exit(255)
+            except InterruptedError:
+                continue
+            if _pid == _child:
+                _code = os.waitstatus_to_exitcode(_status)
+                os._exit(_code if _code >= 0 else 128 - _code)
 _chunks = []
 while True:
     _b = os.read(_a[0], 1 << 20)
@@ -86,6 +108,7 @@ while True:
         break
     _chunks.append(_b)
 os.close(_a[0])
+os.closerange(3, 1 << 16)  # nothing but stdin, stdout and stderr (bubblewrap passes its user-namespace fd on)
 for _name, _value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC"), _a[1:6]):
     _res = getattr(resource, _name, None)
     if _res is not None:
@@ -125,7 +148,7 @@ class SandboxResult:
         returncode: the program's exit status (negative = killed by that signal); ``None`` if it was
             killed at the time limit or never started.
         timed_out: the wall-clock limit was hit.
-        stdout, stderr: captured output, each truncated to ``max_output_chars`` characters.
+        stdout, stderr: captured output, truncated to ``max_output_chars`` (stderr: ``max_stderr_chars``) characters.
         duration_s: wall-clock seconds, start to cleanup.
         isolation: ``"bwrap"`` or ``"rlimits"``.
         error: why the sandbox itself failed (bubblewrap setup, no process could start); ``None``
@@ -173,6 +196,7 @@ def run_python(
     max_processes: int = 16,
     max_open_files: int = 64,
     tmp_mb: int = 64,
+    max_stderr_chars: int | None = None,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a fresh isolated interpreter and capture its output.
 
@@ -189,6 +213,7 @@ def run_python(
         max_processes: ``RLIMIT_NPROC`` (>= 1; threads count).
         max_open_files: ``RLIMIT_NOFILE`` (>= 16).
         tmp_mb: size of the writable ``/tmp`` under bubblewrap, in MiB (> 0).
+        max_stderr_chars: characters kept from stderr (> 0); defaults to ``max_output_chars``.
 
     Returns:
         ``SandboxResult``; never raises for anything the program does.
@@ -197,7 +222,9 @@ def run_python(
         TypeError, ValueError: an invalid argument.
         SandboxUnavailableError: ``isolation="bwrap"`` and bubblewrap is not usable here.
     """
-    limits = _Limits.checked(timeout_s, memory_mb, max_output_chars, max_file_mb, max_processes, max_open_files, tmp_mb)
+    limits = _Limits.checked(
+        timeout_s, memory_mb, max_output_chars, max_file_mb, max_processes, max_open_files, tmp_mb, max_stderr_chars
+    )
     if not isinstance(code, str):
         raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
     if not isinstance(stdin, (str, bytes)):
@@ -283,6 +310,7 @@ class _Limits:
     processes: int
     open_files: int
     tmp_bytes: int
+    stderr_chars: int
 
     @classmethod
     def checked(
@@ -294,6 +322,7 @@ class _Limits:
         max_processes: int,
         max_open_files: int,
         tmp_mb: int,
+        max_stderr_chars: int | None = None,
     ) -> _Limits:
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and 0 < timeout_s < math.inf):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
@@ -307,13 +336,14 @@ class _Limits:
             ("max_processes", max_processes, 1),
             ("max_open_files", max_open_files, 16),
             ("tmp_mb", tmp_mb, 1),
+            ("max_stderr_chars", max_output_chars if max_stderr_chars is None else max_stderr_chars, 1),
         ):
             if not (_is_int(value) and value >= low):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         mib = 1 << 20
         return cls(
             float(timeout_s), memory_mb * mib, max_output_chars, max_file_mb * mib, max_processes, max_open_files,
-            tmp_mb * mib,
+            tmp_mb * mib, max_output_chars if max_stderr_chars is None else max_stderr_chars,
         )  # fmt: skip
 
 
@@ -326,15 +356,78 @@ def _execute(
 ) -> SandboxResult:
     """One run; never raises (an OS failure becomes ``SandboxResult.error``)."""
     start = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        try:
-            run = _Run(stack, code, stdin, limits, interp, isolation, extra_env)
-        except (OSError, subprocess.SubprocessError, ValueError) as exc:
-            return SandboxResult(
-                None, False, "", "", time.monotonic() - start, isolation, f"{type(exc).__name__}: {exc}"
-            )
-        return run.finish(start)
+    try:
+        with contextlib.ExitStack() as stack:
+            try:
+                run = _Run(stack, code, stdin, limits, interp, isolation, extra_env)
+            except (OSError, subprocess.SubprocessError, ValueError) as exc:
+                return _failed(start, isolation, f"{type(exc).__name__}: {exc}")
+            return run.finish(start)
+    except Exception as exc:  # the contract: nothing the program does makes run_python raise
+        _log.exception("crf sandbox: the run failed")
+        return _failed(start, isolation, f"{type(exc).__name__}: {exc}")
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _failed(start: float, isolation: str, error: str) -> SandboxResult:
+    return SandboxResult(None, False, "", "", time.monotonic() - start, isolation, error)
+
+
+class _Stream:
+    """One end of a pipe the trainer holds (non-blocking): data to write into the program, or output read from it.
+
+    The program only ever holds the other end, a pipe of its own: no host file, nothing it can grow with
+    ``fallocate`` or whose shared flags (``O_DIRECT``, ``O_NONBLOCK``) change what the trainer reads.
+    """
+
+    def __init__(self, stack: contextlib.ExitStack, *, data: bytes | None = None, cap: int = 0) -> None:
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        self.child_fd, self.fd = (read_fd, write_fd) if data is not None else (write_fd, read_fd)
+        os.set_blocking(self.fd, False)
+        self.data, self.cap = memoryview(data) if data is not None else None, cap
+        self.chunks: list[bytes] = []
+        self.kept = 0
+        self.open = True
+        stack.callback(self.close)
+        stack.callback(self.close_child)
+
+    def close_child(self) -> None:
+        if self.child_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.child_fd)
+            self.child_fd = -1
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+    def pump(self) -> None:
+        """Move what can move now without blocking; closes the end at EOF (output) or when all is written (input)."""
+        try:
+            if self.data is not None:
+                while self.data:
+                    self.data = self.data[os.write(self.fd, self.data[: 1 << 16]) :]
+                self.close()
+                return
+            while True:
+                chunk = os.read(self.fd, 1 << 16)
+                if not chunk:
+                    self.close()
+                    return
+                room = self.cap - self.kept
+                if room > 0:  # beyond the cap the output is read and dropped, so the program never blocks on it
+                    self.chunks.append(chunk[:room])
+                    self.kept += min(len(chunk), room)
+        except BlockingIOError:
+            return
+        except OSError:  # EPIPE: the program closed its end; anything else: give up on this stream
+            self.close()
+
+    def text(self, limit: int) -> str:
+        text = b"".join(self.chunks).decode("utf-8", errors="replace")
+        return text if len(text) <= limit else text[:limit] + "\n[... output truncated ...]"
 
 
 class _Run:
@@ -352,16 +445,17 @@ class _Run:
     ) -> None:
         self.limits, self.isolation = limits, isolation
         self.deadline = time.monotonic() + limits.timeout_s
-        self.out = _filled(stack, b"")
-        self.err = _filled(stack, b"")
-        source = _filled(stack, code.encode("utf-8", errors="surrogatepass"))
-        stdin_file = _filled(
-            stack, stdin if isinstance(stdin, bytes) else stdin.encode("utf-8", errors="surrogatepass")
-        )
+        self.out = _Stream(stack, cap=limits.max_output_chars * 4 + 4)
+        self.err = _Stream(stack, cap=limits.stderr_chars * 4 + 4)
+        source = _Stream(stack, data=code.encode("utf-8", errors="surrogatepass"))
+        feed = _Stream(stack, data=stdin if isinstance(stdin, bytes) else stdin.encode("utf-8", errors="surrogatepass"))
+        self.streams = [self.out, self.err, source, feed]
         self.status_fd: int | None = None
         self.pid1: int | None = None
+        self.pid1_gone = False
+        self.started = False
         self.status_text = ""
-        drop_uid, pass_fds = -1, [source.fileno()]
+        drop_uid, pass_fds = -1, [source.child_fd]
         if isolation == "bwrap":
             bwrap = find_bwrap()
             if bwrap is None:
@@ -378,6 +472,8 @@ class _Run:
             except BaseException:
                 os.close(status_w)
                 raise
+            if drop_uid >= 0:
+                stack.callback(lambda: release_uid(drop_uid, reusable=self.pid1_gone or not self.started))
             pass_fds += fds
             popen_env, cwd = {"PATH": _PATH}, "/"
         else:
@@ -387,7 +483,7 @@ class _Run:
             popen_env = {"PATH": _PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", **extra_env}
             cwd = workdir
         cpu_s = math.ceil(limits.timeout_s) + 1
-        numbers = (source.fileno(), limits.memory_bytes, cpu_s, limits.file_bytes, limits.open_files, limits.processes)
+        numbers = (source.child_fd, limits.memory_bytes, cpu_s, limits.file_bytes, limits.open_files, limits.processes)
         argv = [
             *prefix,
             interp.path,
@@ -400,13 +496,14 @@ class _Run:
             _BOOTSTRAP,
             *map(str, numbers),
             str(drop_uid),
+            "1" if isolation == "bwrap" else "0",
         ]
         try:
             self.proc = subprocess.Popen(
                 argv,
-                stdin=stdin_file,
-                stdout=self.out,
-                stderr=self.err,
+                stdin=feed.child_fd,
+                stdout=self.out.child_fd,
+                stderr=self.err.child_fd,
                 pass_fds=pass_fds,
                 cwd=cwd,
                 env=popen_env,
@@ -415,6 +512,9 @@ class _Run:
         finally:
             if status_w >= 0:
                 os.close(status_w)
+            for stream in self.streams:
+                stream.close_child()
+        self.started = True
         stack.callback(self._reap)
         self.pidfd = _pidfd(self.proc.pid)
         if self.pidfd is not None:
@@ -427,40 +527,65 @@ class _Run:
                 stack.callback(os.close, self.pid1fd)
 
     def finish(self, start: float) -> SandboxResult:
-        """Wait for the program within the limit, kill the whole tree, and collect the result."""
-        timed_out = not self._wait_exit(max(0.0, self.deadline - time.monotonic()))
+        """Wait for the program within the limit (moving its input and output), kill the whole tree, collect."""
+        timed_out = not self._pump_until_exit()
         self._kill_tree()
+        self._drain(time.monotonic() + _KILL_GRACE_S)
         returncode: int | None = None if timed_out else self.proc.returncode
         error = None
         if self.status_fd is not None:
             self._read_status(until_pid=False)
             exit_code = re.search(r'"exit-code"\s*:\s*(\d+)', self.status_text)
             if exit_code is None and not timed_out:  # bubblewrap failed before the program started
-                error = "bubblewrap could not set up the sandbox: " + (
-                    _read_capped(self.err, 600).strip() or "no message"
-                )
+                error = "bubblewrap could not set up the sandbox: " + (self.err.text(600).strip() or "no message")
                 returncode = None
             elif returncode is not None and 128 < returncode < 128 + 65:  # bwrap reports signal N as 128 + N
                 returncode = -(returncode - 128)
         return SandboxResult(
             returncode=returncode,
             timed_out=timed_out,
-            stdout="" if error else _read_capped(self.out, self.limits.max_output_chars),
-            stderr="" if error else _read_capped(self.err, self.limits.max_output_chars),
+            stdout="" if error else self.out.text(self.limits.max_output_chars),
+            stderr="" if error else self.err.text(self.limits.stderr_chars),
             duration_s=time.monotonic() - start,
             isolation=self.isolation,
             error=error,
         )
 
-    def _wait_exit(self, timeout_s: float) -> bool:
-        """Wait for the started process to exit, without reaping it when a pidfd is available."""
-        if self.pidfd is not None:
-            return bool(select.select([self.pidfd], [], [], timeout_s)[0])
+    def _pump_until_exit(self) -> bool:
+        """Move the pipes until the started process exits (True) or the deadline passes (False)."""
+        while True:
+            if self._exited():
+                return True
+            wait = self.deadline - time.monotonic()
+            if wait <= 0:
+                return False
+            self._select(min(wait, 0.5))
+
+    def _drain(self, until: float) -> None:
+        """Read what is left in the output pipes (their writers are dead: EOF comes at once) within a bound."""
+        for stream in self.streams:
+            if stream.data is not None:
+                stream.close()
+        while any(s.open for s in self.streams) and time.monotonic() < until:
+            self._select(max(0.0, min(until - time.monotonic(), 0.5)))
+
+    def _select(self, timeout: float) -> None:
+        readers = [s.fd for s in self.streams if s.open and s.data is None]
+        writers = [s.fd for s in self.streams if s.open and s.data is not None]
+        watch = [self.pidfd] if self.pidfd is not None else []
         try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+            ready_r, ready_w, _ = select.select(readers + watch, writers, [], timeout)
+        except (OSError, ValueError):
+            return
+        ready = set(ready_r) | set(ready_w)
+        for stream in self.streams:
+            if stream.open and stream.fd in ready:
+                stream.pump()
+
+    def _exited(self) -> bool:
+        if self.pidfd is not None:
+            return bool(select.select([self.pidfd], [], [], 0)[0])
+        return self.proc.poll() is not None
 
     def _read_status(self, *, until_pid: bool) -> None:
         """Read bubblewrap's JSON status stream (its own fd; the sandboxed program cannot write to it)."""
@@ -470,8 +595,12 @@ class _Run:
             if until_pid and '"child-pid"' in self.status_text:
                 break
             wait = limit - time.monotonic()
-            if wait <= 0 or not select.select([self.status_fd], [], [], wait)[0]:
+            if wait <= 0:
                 break
+            if until_pid:  # the program may already be writing: keep its pipes moving meanwhile
+                self._select(0)
+            if not select.select([self.status_fd], [], [], min(wait, 0.05 if until_pid else wait))[0]:
+                continue
             chunk = os.read(self.status_fd, 4096)
             if not chunk:
                 break
@@ -484,18 +613,23 @@ class _Run:
         """Kill everything the program started and wait until it is gone (each wait bounded).
 
         Under bubblewrap, killing its pid 1 makes the kernel kill every process of the pid namespace
-        (``setsid`` and double-forked ones included); pid 1 exits only once they are all gone. The
-        started process is not reaped yet here, so its process-group id cannot have been reused.
+        (``setsid`` and double-forked ones included); pid 1 exits only once they are all gone. bubblewrap
+        (the started process) is then left to reap its pid 1 and exit by itself, so no zombie is handed to
+        the host's init; only if it does not is its process group killed. The started process is not reaped
+        yet here, so its process-group id cannot have been reused.
         """
         if self.pid1fd is not None:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(self.pid1fd, signal.SIGKILL)
+            self.pid1_gone = bool(select.select([self.pid1fd], [], [], _KILL_GRACE_S)[0])
+            if self.pidfd is not None:
+                select.select([self.pidfd], [], [], _KILL_GRACE_S)
+        elif self.isolation == "bwrap" and self._exited():
+            self.pid1_gone = True  # bubblewrap exits only after its pid 1 (so the whole namespace) is gone
         with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=_KILL_GRACE_S)
-        if self.pid1fd is not None:
-            select.select([self.pid1fd], [], [], _KILL_GRACE_S)
 
     def _reap(self) -> None:
         if self.proc.poll() is None:
@@ -529,15 +663,6 @@ def _child_pidfd(pid: int, parent: int) -> int | None:
     return None
 
 
-def _filled(stack: contextlib.ExitStack, data: bytes) -> IO[bytes]:
-    """An anonymous temporary file holding ``data``, positioned at its start."""
-    handle = stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 (closed by the stack)
-    handle.write(data)
-    handle.flush()
-    handle.seek(0)
-    return handle
-
-
 def _seccomp_pipe(stack: contextlib.ExitStack) -> int | None:
     blob = seccomp_filter()
     if blob is None:
@@ -549,10 +674,3 @@ def _seccomp_pipe(stack: contextlib.ExitStack) -> int | None:
     finally:
         os.close(write_fd)
     return read_fd
-
-
-def _read_capped(handle: IO[bytes], limit: int) -> str:
-    handle.seek(0)
-    data = handle.read(limit * 4 + 4)
-    text = data.decode("utf-8", errors="replace")
-    return text if len(text) <= limit else text[:limit] + "\n[... output truncated ...]"

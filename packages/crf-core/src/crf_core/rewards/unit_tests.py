@@ -42,8 +42,9 @@ __all__ = ["TestOutcome", "UnitTestReward"]
 
 _log = logging.getLogger(__name__)
 _HARNESS_SOURCE = Path(_harness.__file__).read_text(encoding="utf-8")
-_MAX_RECORD_CHARS = 4_000_000
+_RECORD_BUDGET_CHARS = 16_000_000  # the harness spends at most this, plus LINE_RESERVE per line
 _OUTPUT_TAIL_CHARS = 300
+_STDERR_CHARS = 64_000  # of the program's stderr kept (feedback shows the last _OUTPUT_TAIL_CHARS of it)
 _VALUE_CHARS = 200
 _FAILURES_SHOWN = 3
 
@@ -141,13 +142,15 @@ class UnitTestReward:
                 "setup": list(dict.fromkeys(s for spec in specs for s in spec.setup)),
                 "probes": [(c.probe, "exec" if c.kind == "ran" else "eval") for c in checks],
                 "entry_point": entry_point,
+                "budget": _RECORD_BUDGET_CHARS,
             }
             result = run_python(
                 _HARNESS_SOURCE,
                 stdin=marshal.dumps(job),
                 timeout_s=self.timeout_s,
                 memory_mb=self.memory_mb,
-                max_output_chars=_MAX_RECORD_CHARS,
+                max_output_chars=_RECORD_BUDGET_CHARS + _harness.LINE_RESERVE * (len(checks) + 2),
+                max_stderr_chars=_STDERR_CHARS,
                 isolation=self.isolation,
             )
             return self._judge(specs, len(checks), result)
