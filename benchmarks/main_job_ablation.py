@@ -96,12 +96,15 @@ def table(record: dict[str, Any]) -> str:
     lines = [header, "|---" * (len(seeds) + 6) + "|"]
     for arm, rows in runs.items():
         rows = sorted(rows, key=lambda r: r["seed"])
+        by_seed = {r["seed"]: r for r in rows}
         changes = [r["change"] for r in rows]
         mean = statistics.mean(changes)
         spread = statistics.stdev(changes) if len(changes) > 1 else float("nan")
         hard = statistics.mean(r["subsets"]["hard"]["change"] for r in rows)
-        above = "—" if arm == PEER or not peer else ("yes" if all(r["change"] > peer[r["seed"]] for r in rows) else "no")
-        cells = [_cell(r["change"], r["change_interval"]) for r in rows]
+        above = (
+            "—" if arm == PEER or not peer else ("yes" if all(r["change"] > peer[r["seed"]] for r in rows) else "no")
+        )
+        cells = [_cell(by_seed[s]["change"], by_seed[s]["change_interval"]) if s in by_seed else "—" for s in seeds]
         lines.append(
             f"| {ARMS[arm][0] if arm in ARMS else arm} | " + " | ".join(cells) + f" | {mean:+.3f} ({spread:.3f}) | "
             f"{hard:+.3f} | {above} | {statistics.mean(r['wall_s'] for r in rows):.0f} | {mean / peer_mean:.2f} |"
@@ -117,6 +120,21 @@ def table(record: dict[str, Any]) -> str:
         f"Command: `{record['command']}`.",
     ]
     return "\n".join(lines)
+
+
+def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from several (each run once per arm and seed; a later record's run replaces an earlier one)."""
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for record in records:
+        for arm, rows in record["runs"].items():
+            runs.setdefault(arm, {}).update({r["seed"]: r for r in rows})
+    return {
+        "command": " ; ".join(r["command"] for r in records),
+        "seeds": sorted({s for r in records for s in r["seeds"]}),
+        "load_start": records[0]["load_start"],
+        "load_end": records[-1]["load_end"],
+        "runs": {arm: [rows[s] for s in sorted(rows)] for arm, rows in runs.items()},
+    }
 
 
 def update_docs(record: dict[str, Any]) -> None:
@@ -137,10 +155,20 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (wall times are then not comparable)")
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--update-docs", action="store_true", help="write docs/ablation.json and the guide's table")
+    parser.add_argument(
+        "--merge", nargs="+", default=[], metavar="ABLATION_JSON",
+        help="instead of running, merge earlier runs' ablation.json records (later ones win per arm and seed)",
+    )  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more flags for every run, after --")
     args = parser.parse_args()
     if args.parallel < 1:
         parser.error("--parallel must be >= 1")
+    if args.merge:
+        record = merge([json.loads(Path(p).read_text(encoding="utf-8")) for p in args.merge])
+        print(table(record))
+        if args.update_docs:
+            update_docs(record)
+        return
     out = Path(args.output_dir or ROOT / "runs" / time.strftime("ablation-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     load_start = _load()

@@ -3,20 +3,22 @@ measured on coding tasks the policy never trained on.
 
 Run it from an environment with every crf package installed (``uv sync`` at the repository root)::
 
-    python examples/composer_main.py                    # the full run, about 2 minutes on 2 CPU cores
+    python examples/composer_main.py                    # the full run, about 3 minutes on 2 quiet CPU cores
     python examples/composer_main.py --quick            # CI-sized wiring check, under a minute
     python examples/composer_main.py --channels grpo    # the ablation: GRPO alone at the same budget
 
 What happens, with nothing to set up (the modules under ``main_job/`` hold each part):
 
 1. **Tasks** (``main_job.tasks``): a parametric family of one-line Python functions (``def add_17(x):``
-   → `` x + 17``; 6 templates × 38 constants), split by instance into 168 train and 60 held-out tasks.
+   → `` x + 17``; 9 templates × 38 constants), split by instance into 250 train and 88 held-out tasks. The
+   bitwise templates (``or``, ``and``, ``xor``) are the hard subset: the warm start never shows them.
    Nothing a held-out task contains occurs in anything training reads; the job checks it.
-2. **Trace replay** (``main_job.teacher``): a weak student's recorded answers to 64 train tasks are
+2. **Trace replay** (``main_job.teacher``): a weak student's recorded answers to 112 train tasks (48 hard) are
    replayed against a teacher (a local endpoint answering train tasks with their reference solution, or
    ``--teacher-url``) with crf-replaysim and normalised into DPO pairs.
-3. **Warm start** (``main_job.policy``): a tiny Llama built offline with a character tokenizer, given a
-   short supervised warm start on the shipped demonstrations of train tasks.
+3. **Warm start** (``main_job.policy``, ``main_job.feedback``, ``main_job.templates``): a tiny Llama built
+   offline with a character tokenizer, trained on the easy train tasks' demonstrations and on SDPO's reprompt
+   format holding a correct answer or the sandbox's feedback on a wrong attempt, so its self-teacher can read.
 4. **Held-out pass rate before RL** (``main_job.evaluate``): 16 sampled completions per held-out task,
    each run against its unit tests in the sandbox.
 5. **RL** (``main_job.replica``): ``--replicas`` (2) separate processes started by crf-diloco's executor
@@ -44,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from main_job.records import (
     CHANNELS,
-    TRAINERS,
     STORAGE_OPTIONS_ENV,
+    TRAINERS,
     JobSpec,
     ReplicaReport,
     read_record,
@@ -141,7 +143,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--trainer", choices=TRAINERS, default="crf",
         help="crf: ComposerReplicationTrainer with --channels; trl-grpo / trl-sdpo: TRL's GRPOTrainer or "
         "SDPOTrainer at the same budget (the ablation's peers; --channels is then ignored)")  # fmt: skip
-    add("--warmup-steps", type=int, default=None, help="supervised warm-start steps (default: tiny 200, smollm2 5)")
+    add(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="supervised warm-start steps (default: tiny 400, quick 20; smollm2 5)",
+    )
     add("--warmup-lr", type=float, default=None, help="warm-start learning rate (default: tiny 3e-3, smollm2 1e-5)")
     add("--eval-samples", type=int, default=None, help="completions per held-out task (default 16; quick 2)")
     add("--outer-lr", type=float, default=1.0, help="DiLoCo outer SGD lr (1.0 without momentum = averaging)")
@@ -161,7 +168,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     opts.lr = opts.lr if opts.lr is not None else (1e-3 if tiny else 1e-5)
     # SmolLM2 writes Python already but not one line then EOS (held-out pass rate 0.004); 5 steps teach the format
     # (0.167) and leave RL room (30 steps at 3e-5: 1.000).
-    opts.warmup_steps = opts.warmup_steps if opts.warmup_steps is not None else (200 if tiny else 5)
+    opts.warmup_steps = (
+        opts.warmup_steps if opts.warmup_steps is not None else (5 if not tiny else 20 if opts.quick else 400)
+    )
     opts.warmup_lr = opts.warmup_lr if opts.warmup_lr is not None else (3e-3 if tiny else 1e-5)
     opts.eval_samples = opts.eval_samples if opts.eval_samples is not None else (2 if opts.quick else 16)
     for name in ("replicas", "steps", "sync_every", "prompts_per_step", "generations", "eval_samples",

@@ -105,17 +105,18 @@ def load_policy(folder: Path, device: str = "cpu") -> tuple[Any, Any]:
 def warm_start_examples(
     demos: Sequence[Demonstration], feedback: Sequence[FeedbackExample], rng: random.Random, batch_size: int
 ) -> list[tuple[str, str]]:
-    """One warm-start batch as ``(context, completion)`` pairs (see `warm_start`)."""
+    """One warm-start batch as ``(context, completion)`` pairs (see `warm_start`): ``batch_size`` plain
+    demonstrations, then ``batch_size // 2`` reprompts holding a correct answer and ``batch_size // 2`` holding
+    the feedback on a wrong one, both drawn from ``feedback`` (easy train tasks and drills)."""
     from crf_core.trainer.reprompt import build_reprompts
 
     config = reprompt_config()
-    examples: list[tuple[str, str]] = []
-    for demo in rng.sample(list(demos), k=min(batch_size, len(demos))):
-        shown = demo.completion if rng.random() < 0.75 else rng.choice(demos).completion
-        reprompt = build_reprompts([demo.prompt] * 2, [shown, ""], [1.0, 0.0], None, 2, config).reprompts[1].prompt
-        examples.append((demo.prompt, demo.completion))
-        examples.append((str(reprompt), demo.completion))
-    for example in rng.sample(list(feedback), k=min(max(1, batch_size // 4), len(feedback))):
+    examples = [(d.prompt, d.completion) for d in rng.sample(list(demos), k=min(batch_size, len(demos)))]
+    half = min(max(1, batch_size // 2), len(feedback))
+    for example in rng.sample(list(feedback), k=half):
+        batch = build_reprompts([example.prompt] * 2, [example.completion, ""], [1.0, 0.0], None, 2, config)
+        examples.append((str(batch.reprompts[1].prompt), example.completion))
+    for example in rng.sample(list(feedback), k=half):
         batch = build_reprompts(
             [example.prompt] * 2, [example.attempt, ""], [0.0, 0.0], [example.feedback, None], 2, config
         )
@@ -136,13 +137,11 @@ def warm_start(
 ) -> float:
     """Supervised warm start on ``demos`` and ``feedback``; returns the last loss.
 
-    Each batch holds ``batch_size`` demonstrations: as ``prompt + completion`` (easy tasks only) and in
-    SDPO's reprompt format with a demonstration in the context (``reprompt(prompt, solution=demo) +
-    completion``, the demo being the answer 3 times in 4 and another task's answer otherwise); and
-    ``batch_size // 4`` feedback examples (longer rows) in SDPO's reprompt format with the feedback in the context
-    (``reprompt(prompt, feedback=…) + completion``). SDPO's self-teacher reads those contexts; a policy
-    that never saw them makes them noise. The templates are the job's (`main_job.templates`). Loss on the completion
-    tokens only (and EOS); AdamW at ``lr``.
+    Each step trains on one `warm_start_examples` batch: plain ``prompt + completion`` rows, and SDPO's
+    reprompt format (`main_job.templates`) with a correct answer or with the sandbox's feedback on a wrong
+    one in the context. The drills among ``feedback`` name no operation, so only reading the context solves
+    them: that is how the warm start teaches reading. Loss on the completion tokens only (and EOS); AdamW at
+    ``lr``.
     """
     import torch
 

@@ -14,7 +14,16 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["CHANNELS", "STORAGE_OPTIONS_ENV", "TRAINERS", "JobSpec", "ReplicaReport", "StepRecord", "read_record", "write_record"]
+__all__ = [
+    "CHANNELS",
+    "STORAGE_OPTIONS_ENV",
+    "TRAINERS",
+    "JobSpec",
+    "ReplicaReport",
+    "StepRecord",
+    "read_record",
+    "write_record",
+]
 
 CHANNELS = ("grpo", "sdpo_jsd", "trace_replay_dpo")
 """The trainer's channels, in the order the job reports them."""

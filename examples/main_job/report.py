@@ -221,9 +221,9 @@ def plot(outcome: JobOutcome, path: Path) -> None:
             ax.text(x, r.mean + 0.02, f"{r.mean:.2f}", ha="center", fontsize=8)
     ax.set_xticks(range(len(groups)), [f"{n} ({len(b.tasks)})" for n, (b, _) in groups.items()])
     changes = ", ".join(f"{n} {Change.between(b, a).mean:+.3f}" for n, (b, a) in groups.items())
-    ax.set(title=f"held-out pass rate ({outcome.heldout_tasks} unseen tasks), 95% CI", ylim=(0, 1),
+    ax.set(title=f"held-out pass rate ({outcome.heldout_tasks} unseen tasks), 95% CI", ylim=(0, 1.2),
            xlabel=f"change: {changes}")  # fmt: skip
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
 
     for ax, channel in zip((axes[0, 2], axes[1, 0], axes[1, 1]), CHANNELS, strict=True):
         if channel not in outcome.channels:

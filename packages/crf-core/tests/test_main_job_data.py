@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from pathlib import Path
 from types import ModuleType
@@ -41,11 +42,15 @@ def test_heldout_tasks_share_no_instance_with_anything_training_reads(tasks: Mod
     assert all(d.completion == next(t.solution for t in train if t.name == d.task) for d in demos)
     assert {tr["meta"]["task"] for tr in traces} <= {t.name for t in train}
     trace_texts = [m["content"] for tr in traces for m in tr["messages"]]
+    rng = random.Random(0)
+    drills = tasks.build_drills()
     tasks.check_unseen(
         heldout,
         {
             "train tasks": [x for t in train for x in (t.prompt, t.solution, *t.tests)],
             "demonstrations": [x for d in demos for x in (d.prompt, d.completion)],
+            "warm-start drills": [x for d in drills for x in (d.prompt, d.solution, *d.tests)],
+            "weak attempts": [tasks.weak_answer(t, rng) for t in [*train, *drills] for _ in range(5)],
             "traces": trace_texts,
         },
     )
@@ -118,9 +123,7 @@ def test_check_unseen_catches_a_leak_by_name_or_prompt(tasks: ModuleType) -> Non
 def test_bad_task_files_are_refused_naming_the_line(tasks: ModuleType, tmp_path: Path) -> None:
     bad = tmp_path / "tasks.jsonl"
     bad.write_text('{"name": "add_2", "prompt": "p"}\n')
-    with pytest.raises(
-        ValueError, match=r"tasks.jsonl:1: task 'add_2' lacks \['k', 'solution', 'template', 'tests'\]"
-    ):
+    with pytest.raises(ValueError, match=r"tasks.jsonl:1: task 'add_2' lacks \['k', 'solution', 'template', 'tests'\]"):
         tasks.load_tasks(bad)
     bad.write_text("not json\n")
     with pytest.raises(ValueError, match=r"tasks\.jsonl:1 is not valid JSON"):
@@ -253,8 +256,11 @@ def test_warm_start_feedback_is_the_sandboxs_account_of_wrong_attempts(tasks: Mo
     examples = feedback_examples(pick, isolation="rlimits", timeout_s=10.0, seed=0)
     assert [e.task for e in examples] == [t.name for t in pick]
     for example, task in zip(examples, pick, strict=True):
-        assert "failed" in example.feedback and "expected" in example.feedback and "returned" in example.feedback
+        assert "failed" in example.feedback
+        assert "expected" in example.feedback
+        assert "returned" in example.feedback
         assert any(test in example.feedback for test in task.tests)
-        assert example.completion == task.solution and example.prompt == task.prompt
+        assert example.completion == task.solution
+        assert example.prompt == task.prompt
         assert len(example.feedback) <= FEEDBACK_CHARS
         assert example.attempt != task.solution

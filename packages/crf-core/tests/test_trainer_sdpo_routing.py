@@ -135,7 +135,8 @@ def test_srpo_routes_failures_to_sdpo_and_successes_to_grpo(tmp_path: Path) -> N
     # failures (even rows) keep their SDPO signal and lose their GRPO advantage; successes the reverse
     assert batch["sdpo_mask"].tolist() == [1.0, 0.0, 1.0, 0.0]
     advantages = batch["advantages"]
-    assert advantages[0] == 0 and advantages[2] == 0
+    assert advantages[0] == 0
+    assert advantages[2] == 0
     assert bool((advantages[1::2] > 0).all())
 
     plain = _trainer(tmp_path / "plain")
