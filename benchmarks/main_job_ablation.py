@@ -89,7 +89,6 @@ def table(record: dict[str, Any]) -> str:
     seeds: list[int] = record["seeds"]
     runs: dict[str, list[dict[str, Any]]] = record["runs"]
     peer = {r["seed"]: r["change"] for r in runs.get(PEER, [])}
-    peer_mean = statistics.mean(peer.values()) if peer else float("nan")
     header = "| arm | " + " | ".join(f"seed {s}: change [95% CI]" for s in seeds)
     header += " | mean change (spread) | hard subset: mean change | above GRPO alone on every seed | mean wall s "
     header += "| ratio to GRPO alone |"
@@ -99,15 +98,20 @@ def table(record: dict[str, Any]) -> str:
         by_seed = {r["seed"]: r for r in rows}
         changes = [r["change"] for r in rows]
         mean = statistics.mean(changes)
-        spread = statistics.stdev(changes) if len(changes) > 1 else float("nan")
+        spread = f"{statistics.stdev(changes):.3f}" if len(changes) > 1 else "one seed"
         hard = statistics.mean(r["subsets"]["hard"]["change"] for r in rows)
         above = (
             "—" if arm == PEER or not peer else ("yes" if all(r["change"] > peer[r["seed"]] for r in rows) else "no")
         )
+        if len(rows) < len(seeds) and above != "—":
+            above += f" (seed{'s' if len(rows) > 1 else ''} {', '.join(str(r['seed']) for r in rows)} only)"
+        # the ratio compares like with like: GRPO alone's mean over the seeds this arm ran
+        same = [peer[r["seed"]] for r in rows if r["seed"] in peer]
+        ratio = mean / statistics.mean(same) if same and len(same) == len(rows) else float("nan")
         cells = [_cell(by_seed[s]["change"], by_seed[s]["change_interval"]) if s in by_seed else "—" for s in seeds]
         lines.append(
-            f"| {ARMS[arm][0] if arm in ARMS else arm} | " + " | ".join(cells) + f" | {mean:+.3f} ({spread:.3f}) | "
-            f"{hard:+.3f} | {above} | {statistics.mean(r['wall_s'] for r in rows):.0f} | {mean / peer_mean:.2f} |"
+            f"| {ARMS[arm][0] if arm in ARMS else arm} | " + " | ".join(cells) + f" | {mean:+.3f} ({spread}) | "
+            f"{hard:+.3f} | {above} | {statistics.mean(r['wall_s'] for r in rows):.0f} | {ratio:.2f} |"
         )
     befores = ", ".join(
         f"seed {r['seed']} {r['before']:.3f} (hard {r['subsets']['hard']['before']:.3f})"

@@ -50,12 +50,13 @@ def _progress(spec: JobSpec, rank: int, history: list[StepRecord], manager: Any,
 
     class Progress(TrainerCallback):
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
-            if not logs or "reward" not in logs:
+            reward = None if not logs else logs.get("reward", logs.get("self_distillation/reward_mean"))  # TRL SDPO's
+            if not logs or reward is None:
                 return
             losses = {c: float(logs[c]) for c in CHANNELS if spec.weights[c] > 0 and logs.get(c) is not None}
             record = StepRecord(
                 step=int(state.global_step),
-                reward=float(logs["reward"]),
+                reward=float(reward),
                 losses=losses,
                 rounds=int(manager.current_step()),
                 megabytes=(allreduce.bytes_written + allreduce.bytes_read) / 1e6,
