@@ -10,8 +10,7 @@ What is measured
     the signal SDPO can distil. Held-out tasks are used here only to *measure*; nothing is trained on them.
 
 Printed
-    One row per subset (easy, hard): the pass rate in each context. ``--reference-templates`` uses SDPO's
-    reference templates (signature first) instead of the job's (signature last), at the same warm start.
+    One row per subset (easy, hard): the pass rate in each context.
 
 Run: ``python benchmarks/warm_start_reading.py`` (about 3 minutes on 2 cores).
 """
@@ -32,7 +31,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--reference-templates", action="store_true")
     args = parser.parse_args()
 
     import torch
@@ -42,7 +40,7 @@ def main() -> None:
     from main_job.tasks import DATA, build_drills, load_demonstrations, load_tasks
 
     from crf_core.rewards import UnitTestReward, bubblewrap_usable
-    from crf_core.trainer.reprompt import RepromptConfig, build_reprompts
+    from crf_core.trainer.reprompt import build_reprompts
 
     torch.set_num_threads(1)
     isolation = "bwrap" if bubblewrap_usable() else "rlimits"
@@ -54,7 +52,7 @@ def main() -> None:
     warm_start(model, tokenizer, load_demonstrations(DATA / "demonstrations.jsonl"), feedback=feedback,
                steps=args.steps, lr=3e-3, seed=args.seed)  # fmt: skip
     print(f"warm start: {args.steps} steps, seed {args.seed}, {time.monotonic() - start:.0f} s", flush=True)
-    config = RepromptConfig() if args.reference_templates else templates.reprompt_config()
+    config = templates.reprompt_config()
     attempts = {e.task: e for e in feedback_examples(heldout, isolation=isolation, timeout_s=3.0, seed=args.seed)}
     reward = UnitTestReward(isolation=isolation, max_workers=2)  # type: ignore[arg-type]
     model.eval()

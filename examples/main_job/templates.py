@@ -2,8 +2,7 @@
 
 SDPO's reference template (``{prompt}{solution}{feedback}`` then "Correctly solve the original question.")
 puts the task's signature a few hundred characters before the answer. A pretrained LLM reads it from there;
-the tiny 2-layer character model does not (after its warm start it wrote the right expression under that
-template 2% of the time on easy held-out tasks given feedback, against 12% with no context at all). Code
+a tiny 2-layer character model reads what is close to the answer far better than what is far from it. Code
 models complete code, so these templates end on the signature itself, as a file would: what the teacher
 knows more than the student (a peer's correct answer, or the sandbox's account of a failed attempt) stands
 in comments right above it. The warm start and every trainer of the job (crf's, TRL's SDPOTrainer) use
