@@ -91,16 +91,6 @@ TERMINAL = ("COMPLETED", "ERROR", "CANCELED", "DELETED")
 ROUTE = re.compile(r"^/api/jobs/(?P<ns>[^/]+)(?:/(?P<id>[^/]+)(?:/(?P<action>logs|cancel))?)?$")
 
 
-def image_path(path: str) -> str:
-    """``PATH`` without the test interpreter's virtual environment (nox puts its ``bin`` first): a job's container
-    does not hold this checkout's environment, so its ``python`` must not be the one crf-diloco is installed in."""
-    if sys.prefix == sys.base_prefix:
-        return path
-    venv = os.path.realpath(sys.prefix)
-    kept = [d for d in path.split(os.pathsep) if d and not os.path.realpath(d).startswith(venv + os.sep)]
-    return os.pathsep.join(kept)
-
-
 def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
@@ -169,7 +159,6 @@ class Job:
                 self.changed.notify_all()
                 return
             env = {k: os.environ[k] for k in IMAGE_ENV if k in os.environ}
-            env["PATH"] = image_path(env.get("PATH", ""))
             env["UV_NO_PROJECT"] = "1"  # a container holds no project; the job folder may lie inside one here
             env.update(self.spec.get("environment") or {})
             env.update(self.spec.get("secrets") or {})
