@@ -101,7 +101,12 @@ def _encode(value: Any, depth: int, budget: list[int]) -> list[Any]:
         _spend(budget, 6 * len(text))  # JSON escapes are at most 6 characters per character
         return ["s", text]
     if isinstance(value, (bytes, bytearray)):
-        data = bytes.__bytes__(value) if isinstance(value, bytes) else bytes(bytearray.__iter__(value))  # type: ignore[attr-defined]
+        if isinstance(value, bytearray):
+            data = bytes(bytearray.__iter__(value))
+        elif hasattr(bytes, "__bytes__"):  # Python 3.11+: the builtin's own method, never a subclass's
+            data = bytes.__bytes__(value)  # type: ignore[attr-defined]
+        else:  # Python 3.10 has no bytes.__bytes__: read the builtin's own buffer
+            data = bytes(memoryview(value))
         _spend(budget, 2 * len(data))
         return ["y", data.hex()]
     for kind, tag, items in _SEQUENCES:
