@@ -390,7 +390,8 @@ def test_adversarial_rejected_submission_echoing_secrets_cancels_the_submitted_j
     jobs_server: JobsServer, make_executor: Callable[..., HFJobsExecutor]
 ) -> None:
     jobs_server.behave(reject_from=2)  # a 429 whose message repeats the token and the spec, secrets included
-    executor = make_executor(secrets={"CRF_DILOCO_SECRET": RUN_SECRET})
+    # 429s on a submission are waited out for up to lost_contact_s; 2 s keeps the give-up quick.
+    executor = make_executor(secrets={"CRF_DILOCO_SECRET": RUN_SECRET}, lost_contact_s=2.0)
     with pytest.raises(RuntimeError) as info:
         executor.launch_replicas(behave("--sleep", "120"), world_size=3, uri="memory://x")
     message = str(info.value)
@@ -647,6 +648,10 @@ def test_cli_launch_hf_before_a_release_ships_the_workspace_wheel_and_the_job_in
     if shutil.which("uv") is None:
         pytest.skip("uv is not on PATH (pip install uv)")
     from crf_diloco import __version__
+    from crf_diloco.executors.wheels import source_tree
+
+    if source_tree() is None:
+        pytest.skip("crf-diloco is installed from a wheel here (nox -s wheels), not a checkout to build one from")
 
     index = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 to all
     threading.Thread(target=index.serve_forever, daemon=True).start()
