@@ -38,6 +38,7 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 HEAVY_EXTRAS = {"crf-replaysim": {"dj"}, "crf-diloco": {"ray"}}
 PYTEST_DEFAULT = ["-m", "not slow and not gpu", "-p", "no:cacheprovider", "-q"]
 REPORTS = ROOT / ".nox-reports"
+SUITE_WORKERS = 2  # pytest-xdist processes for the package suites (CI has 2 cores)
 
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")  # only interpreters already on the machine
 
@@ -156,10 +157,16 @@ def install(
     return members
 
 
-def run_pytest(session: nox.Session, paths: list[str], *extra: str) -> None:
+def run_pytest(session: nox.Session, paths: list[str], *extra: str, workers: int = 1) -> None:
+    """pytest on ``paths`` with a JUnit report per session; ``workers`` > 1 spreads the tests over that many
+    pytest-xdist processes (most suites wait on subprocesses and servers, so 2 workers on 2 cores take ~half the
+    time). Pass ``-- -n 0`` to run in one process, e.g. to debug."""
     REPORTS.mkdir(exist_ok=True)
     report = REPORTS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", session.name).strip("_") + ".xml")
-    session.run("python", "-m", "pytest", *paths, *PYTEST_DEFAULT, f"--junitxml={report}", *extra, *session.posargs)
+    parallel = ["-n", str(workers)] if workers > 1 else []
+    session.run(
+        "python", "-m", "pytest", *paths, *PYTEST_DEFAULT, *parallel, f"--junitxml={report}", *extra, *session.posargs
+    )
 
 
 def _tests_dirs(packages: list[str]) -> list[str]:
@@ -183,7 +190,7 @@ def tests(session: nox.Session, package: str, flavour: str) -> None:
     """One package's tests on one interpreter, with no extras ("minimal") or every light extra ("all")."""
     extras = _extras(package) if flavour == "all" else []
     install(session, package, extras)
-    run_pytest(session, _tests_dirs([package]))
+    run_pytest(session, _tests_dirs([package]), workers=SUITE_WORKERS)
 
 
 @nox.session
@@ -193,7 +200,7 @@ def workspace(session: nox.Session) -> None:
     covered package by package by `tests`). With the examples group, so the main job's CI-sized run (which needs
     every package and matplotlib) runs here."""
     install(session, None, [], groups=("test", "examples"))
-    run_pytest(session, _tests_dirs(PACKAGES))
+    run_pytest(session, _tests_dirs(PACKAGES), workers=SUITE_WORKERS)
 
 
 @nox.session(python=CI_PYTHON, tags=["ci"])
@@ -288,7 +295,7 @@ def wheels(session: nox.Session) -> None:
         session.run(py, "-c", probe, external=True)
         REPORTS.mkdir(exist_ok=True)
         session.run(
-            py, "-m", "pytest", *_tests_dirs([package]), *PYTEST_DEFAULT,
+            py, "-m", "pytest", *_tests_dirs([package]), *PYTEST_DEFAULT, "-n", str(SUITE_WORKERS),
             f"--junitxml={REPORTS / f'wheels-{package}.xml'}", *session.posargs, external=True,
         )  # fmt: skip
 
@@ -317,7 +324,7 @@ def lowest(session: nox.Session, package: str) -> None:
     editables = [arg for m in siblings for arg in ("-e", str(ROOT / "packages" / m))]
     test_req = _export(session, "--only-group", "test")
     session.install("--resolution", "lowest-direct", "-e", target, *editables, "-r", str(test_req))
-    run_pytest(session, _tests_dirs([package]))
+    run_pytest(session, _tests_dirs([package]), workers=SUITE_WORKERS)
 
 
 @nox.session(python=CI_PYTHON, tags=["ci"])

@@ -4,9 +4,10 @@ What is measured
     For every arm (``--arms``, default all of `ARMS`) and every seed (``--seeds``, default 0 1 2), one full run of
     ``examples/composer_main.py --seed <seed>`` plus the arm's flags (its defaults otherwise: the same warm start,
     steps, rollouts per step, DiLoCo schedule and evaluation draws in every arm), in a fresh process. Each run
-    reports the held-out pass rate before and after RL on the 85 held-out tasks (16 samples each) and on their
-    hard subset (25 tasks whose argument is not called ``x``: the warm-started policy fails them all, so GRPO's
-    advantage there is 0), each change with its 95% interval (task as the unit, paired).
+    reports the held-out pass rate before and after RL on the 88 held-out tasks (16 samples each) and on their
+    hard subset (the 28 bitwise ones, or/and/xor, a kind the warm start never shows as a task: the warm-started
+    policy fails them all, so GRPO's groups there are all zeros and its advantage 0), each change with its 95%
+    interval (task as the unit, paired).
 
     The arms: crf's composed recipe (GRPO + SDPO with the sandbox's feedback + trace-replay DPO), GRPO alone,
     GRPO + SDPO, GRPO + DPO, the composed recipe with SRPO's routing and with SC-SDPO's weights, and the peers
