@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import shlex
@@ -79,6 +80,28 @@ def describe_sandbox() -> str:
 
 
 # --------------------------------------------------------------------------- arguments
+def _top_k(text: str) -> int:
+    """``--sdpo-top-k``: a positive count of tokens, or 0 for the full vocabulary."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 1, or 0 for the full vocabulary, got {text!r}")
+    return value
+
+
+def _unit(text: str) -> float:
+    """A float in [0, 1] (``--sdpo-alpha``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def _storage_option(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` → ``(KEY, VALUE)``; VALUE is decoded as JSON when it is valid JSON, else kept as text."""
     key, sep, value = text.partition("=")
@@ -136,6 +159,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--dpo-weight", type=float, default=0.2, help="weight of channel trace_replay_dpo when it is on")
     add("--sdpo-feedback", action=argparse.BooleanOptionalAction, default=True,
         help="let SDPO's teacher read the sandbox's feedback (the tiny model learns to read it in its warm start)")  # fmt: skip
+    add("--sdpo-alpha", type=_unit, default=0.5,
+        help="SDPO's generalised-JSD alpha: 0 forward KL, 1 reverse KL, 0.5 the paper's JSD")  # fmt: skip
+    add("--sdpo-top-k", type=_top_k, default=20,
+        help="SDPO distils on the student's top-k tokens plus a tail bucket; 0: the full vocabulary")  # fmt: skip
     add("--sdpo-routing", choices=("all", "srpo"), default="all",
         help="srpo: successful rollouts train through GRPO only, failed ones through SDPO only (arXiv 2604.02288)")  # fmt: skip
     add("--sdpo-group-weight", choices=("uniform", "success_variance"), default="uniform",
@@ -412,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> Any:
         temperature=opts.temperature,
         weights=opts.weights,
         sdpo_feedback=opts.sdpo_feedback,
+        sdpo_alpha=opts.sdpo_alpha,
+        sdpo_top_k=opts.sdpo_top_k or None,
         sdpo_routing=opts.sdpo_routing,
         sdpo_group_weight=opts.sdpo_group_weight,
         trainer=opts.trainer,

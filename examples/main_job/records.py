@@ -55,6 +55,8 @@ class JobSpec:
     temperature: float
     weights: dict[str, float]
     sdpo_feedback: bool
+    sdpo_alpha: float
+    sdpo_top_k: int | None
     sdpo_routing: str
     sdpo_group_weight: str
     trainer: str

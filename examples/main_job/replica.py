@@ -106,10 +106,10 @@ def build_trainer(spec: JobSpec, rank: int, model: Any, tokenizer: Any, reward: 
         sdpo = SDPOConfig(
             **common,
             distillation_weight=0.5,
-            distillation_mode="topk_logits",
-            distillation_topk=20,
-            distillation_add_tail=True,
-            distillation_alpha=0.5,
+            distillation_mode="full_logits" if spec.sdpo_top_k is None else "topk_logits",
+            distillation_topk=spec.sdpo_top_k,
+            distillation_add_tail=spec.sdpo_top_k is not None,
+            distillation_alpha=spec.sdpo_alpha,
             **TEMPLATE_FIELDS,
         )
         return SDPOTrainer(args=sdpo, **kwargs)
@@ -122,7 +122,8 @@ def build_trainer(spec: JobSpec, rank: int, model: Any, tokenizer: Any, reward: 
         trace_replay_dpo_weight=spec.weights["trace_replay_dpo"],
         trace_replay_path=spec.pairs if spec.weights["trace_replay_dpo"] > 0 else None,
         trace_replay_batch_size=4,
-        sdpo_top_k=20,
+        sdpo_alpha=spec.sdpo_alpha,
+        sdpo_top_k=spec.sdpo_top_k,
         sdpo_include_environment_feedback=spec.sdpo_feedback,
         sdpo_routing=spec.sdpo_routing,  # type: ignore[arg-type]
         sdpo_group_weight=spec.sdpo_group_weight,  # type: ignore[arg-type]
