@@ -210,6 +210,7 @@ def dj(session: nox.Session) -> None:
     # data-juicer installs missing op dependencies at run time; everything it needs is already here, so forbid it.
     session.env["UV_OFFLINE"] = "1"
     session.env["PIP_NO_INDEX"] = "1"
+    session.env["CRF_REQUIRE_DATA_JUICER"] = "1"  # a missing data-juicer fails instead of skipping every test
     run_pytest(session, _tests_dirs(["crf-replaysim"]), "-m", "integration")
 
 
@@ -240,6 +241,7 @@ def ray(session: nox.Session) -> None:
     # nox points TMPDIR inside the venv, where Ray refuses to put its session folder ("temp_dir must not be child
     # directory of virtualenv root") and its workers die at start-up.
     session.env["TMPDIR"] = tempfile.mkdtemp(prefix="crf-ray-")
+    session.env["CRF_REQUIRE_RAY"] = "1"  # a missing ray fails instead of skipping every test
     run_pytest(session, [str(ROOT / "packages" / "crf-diloco" / "tests" / "test_ray_executor.py")])
 
 

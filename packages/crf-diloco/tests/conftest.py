@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,6 +17,17 @@ import torch
 from fsspec import AbstractFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under ``CRF_REQUIRE_RAY=1`` (``nox -s ray``) a missing Ray is an error, not a skip: that session
+    exists to run the tests that skip elsewhere, and must not pass with none of them run."""
+    if os.environ.get("CRF_REQUIRE_RAY") == "1" and importlib.util.find_spec("ray") is None:
+        raise pytest.UsageError(
+            "CRF_REQUIRE_RAY=1 but ray is not importable: install it (nox -s ray provisions it) "
+            "or unset CRF_REQUIRE_RAY"
+        )
+
 
 ReplicaFn = Callable[[int], Any]
 

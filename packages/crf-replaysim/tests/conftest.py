@@ -23,7 +23,9 @@ number of requests it was handling at once.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
+import os
 import secrets
 import threading
 import time
@@ -34,6 +36,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under ``CRF_REQUIRE_DATA_JUICER=1`` (``nox -s dj``) a missing data-juicer is an error, not a skip: that session
+    exists to run the tests that skip elsewhere, and must not pass with none of them run."""
+    if os.environ.get("CRF_REQUIRE_DATA_JUICER") == "1" and importlib.util.find_spec("data_juicer") is None:
+        raise pytest.UsageError(
+            "CRF_REQUIRE_DATA_JUICER=1 but data_juicer is not importable: install it (nox -s dj provisions it) "
+            "or unset CRF_REQUIRE_DATA_JUICER"
+        )
+
 
 KEY_ENV = "CRF_REPLAYSIM_TEST_KEY"
 ENDLESS_LIMIT_S = 30.0  # a never-ending reply still ends, so a broken test cannot hang the run
