@@ -40,6 +40,7 @@ import contextlib
 import marshal
 import math
 import os
+import queue
 import select
 import signal
 import socket
@@ -49,6 +50,7 @@ import re
 import threading
 import time
 import weakref
+from concurrent.futures import Future
 
 from crf_core.rewards._bubblewrap import (
     SHM_BYTES,
@@ -86,7 +88,7 @@ _PATH = "/usr/local/bin:/usr/bin:/bin"
 _ZYGOTE = r"""
 import sys
 _FRESH = set(sys.modules)
-import ctypes, fcntl, marshal, os, resource, select, signal, socket, struct
+import ctypes, fcntl, gc, marshal, os, resource, select, signal, socket, struct
 _MSG = struct.Struct("=ci")
 _ctl = socket.socket(fileno=int(sys.argv[1]))
 with open(int(sys.argv[2]), "rb", closefd=True) as _f:
@@ -111,22 +113,50 @@ def _ok(ret, what):
 def _mount(src, target, fstype, flags, data=None):
     _ok(_libc.mount(src, target, fstype, flags, data), "mount " + target.decode())
 
-def _setup(tmp_bytes, shm_bytes):
+def _setup():
     _mount(b"none", b"/", None, _REC | _PRIVATE)
     _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
     for sub in (b"/proc/sys", b"/proc/sysrq-trigger", b"/proc/irq", b"/proc/bus"):
         if os.path.exists(sub):
             _mount(sub, sub, None, _BIND | _REC)
             _mount(None, sub, None, _BIND | _REMOUNT | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
-    for target, size in ((b"/tmp", tmp_bytes), (b"/dev/shm", shm_bytes)):
-        _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, b"mode=1777,size=%d" % size)
+    for target in (b"/tmp", b"/dev/shm"):
+        _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, b"mode=1777,size=1048576")
     os.chdir("/tmp")
 
 def _exit_like(status):
     code = os.waitstatus_to_exitcode(status)
     os._exit(code if code >= 0 else 128 - code)
 
-def _program(numbers, uid, env):
+def _recv_exact(sock, n, have):
+    while len(have) < n:
+        chunk = sock.recv(n - len(have))
+        if not chunk:
+            os._exit(0)
+        have += chunk
+    return have
+
+def _recv_job(sock):
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+    if not data:
+        return None, []
+    if len(fds) != 4:
+        os._exit(3)
+    data = _recv_exact(sock, 4, data)
+    size = struct.unpack("=I", data[:4])[0]
+    return _recv_exact(sock, 4 + size, data), fds
+
+def _program(sock):
+    data, fds = _recv_job(sock)
+    sock.close()
+    if data is None:
+        os._exit(0)
+    numbers, uid, env, tmp_bytes, shm_bytes = marshal.loads(data[4:])
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(4, 1 << 16)
+    for target, size in ((b"/tmp", tmp_bytes), (b"/dev/shm", shm_bytes)):
+        _mount(b"tmpfs", target, b"tmpfs", _REMOUNT | _NOSUID | _NODEV, b"mode=1777,size=%d" % size)
     chunks = []
     while True:
         b = os.read(3, 1 << 20)
@@ -146,7 +176,7 @@ def _program(numbers, uid, env):
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
     if os.getuid() != uid or os.geteuid() != uid:
-        sys.exit("crf sandbox: could not drop to the sandbox uid")
+        raise OSError("could not drop to the sandbox uid")
     _ok(_libc.prctl(38, 1, None, 0, 0), "no_new_privs")
     _ok(_libc.prctl(22, 2, ctypes.cast(ctypes.pointer(_prog), ctypes.c_void_p), 0, 0), "seccomp")
     os.environ.clear()
@@ -161,24 +191,26 @@ def _program(numbers, uid, env):
     sys.argv = [path]
     return b"".join(chunks), path, main
 
-def _evaluation(fds, w, numbers, uid, env, tmp_bytes, shm_bytes):
+def _evaluation(sock, w):
+    # E: new namespaces, then I (their pid 1: fresh mounts), then P (waits for its job on sock).
     _ctl.detach()  # its fd is closed below; the object must never close a reused number
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-    os.closerange(4, w)
-    os.closerange(w + 1, 1 << 16)
+    keep = sorted((sock.fileno(), w))
+    os.closerange(3, keep[0])
+    os.closerange(keep[0] + 1, keep[1])
+    os.closerange(keep[1] + 1, 1 << 16)
     _ok(_libc.unshare(_NS), "unshare")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # SIOCSIFFLAGS lo: UP | LOOPBACK | RUNNING
         fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", 0x1 | 0x8 | 0x40))
     child = os.fork()
     if child == 0:
         _libc.prctl(1, signal.SIGKILL, None, 0, 0)  # PR_SET_PDEATHSIG
-        _setup(tmp_bytes, shm_bytes)
-        os.write(w, b"o")
-        os.close(w)
+        _setup()
         program = os.fork()
         if program == 0:
-            return _program(numbers, uid, env)
+            os.close(w)
+            return sock
+        sock.close()
+        os.write(w, b"o")
         os.closerange(0, 1 << 16)
         while True:
             try:
@@ -210,23 +242,40 @@ def _reap_all():
             except InterruptedError:
                 continue
 
-def _one(job, fds, pending):
-    numbers, uid, env, tmp_bytes, shm_bytes = job
+def _spare():
+    # The next evaluation's processes, forked before its job: ("spare", (E, its pidfd, setup pipe, job socket))
+    # in the zygote, ("program", job socket) in P.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     r, w = os.pipe()
     e = os.fork()
     if e == 0:
+        ours.detach()
         try:
-            return _evaluation(fds, w, numbers, uid, env, tmp_bytes, shm_bytes)  # returns in the program only
+            return "program", _evaluation(theirs, w)
         except BaseException as exc:
             try:
-                os.write(2, ("crf sandbox pool: " + repr(exc) + "\n").encode("utf-8", "replace"))
+                os.write(w, ("crf sandbox pool: " + repr(exc)).encode("utf-8", "replace")[:4000])
             finally:
                 os._exit(125)
+    theirs.close()
     os.close(w)
+    return "spare", (e, os.pidfd_open(e), r, ours)
+
+def _one(spare, data, fds):
+    e, efd, r, job = spare
+    report = os.read(r, 4096)
+    ready = report == b"o"
+    if ready:
+        try:
+            socket.send_fds(job, [data], fds)
+        except OSError as exc:
+            ready, report = False, repr(exc).encode()
+    if not ready:
+        os.write(fds[2], b"crf sandbox pool: " + report)
+    job.close()
     for fd in fds:
         os.close(fd)
-    efd = os.pidfd_open(e)
-    status = -9 if b"K" in pending else None
+    status = None if ready else 125
     while status is None:
         got = select.select([_ctl, efd], [], [])[0]
         if _ctl in got:
@@ -238,41 +287,68 @@ def _one(job, fds, pending):
                 status = -9
         if status is None and efd in got:
             status = os.waitstatus_to_exitcode(os.waitpid(e, 0)[1])
-    os.close(efd)
     _reap_all()
-    ready = os.read(r, 16) == b"o"  # every writer is gone: no wait
+    os.close(efd)
     os.close(r)
     _ctl.sendall(_MSG.pack(b"X" if ready else b"F", status))
-    return None
-
-def _recv_exact(n, have):
-    while len(have) < n:
-        chunk = _ctl.recv(n - len(have))
-        if not chunk:
-            os._exit(0)
-        have += chunk
-    return have
 
 def _serve():
+    kind, spare = _spare()
+    if kind == "program":
+        return spare
     _ctl.sendall(_MSG.pack(b"R", 0))
     while True:
-        data, fds, _, _ = socket.recv_fds(_ctl, 1 << 16, 4)
-        if not data:
+        data, fds = _recv_job(_ctl)
+        if data is None:
+            _reap_all()
             os._exit(0)
-        if len(fds) != 4:
-            os._exit(3)
-        data = _recv_exact(4, data)
-        size = struct.unpack("=I", data[:4])[0]
-        data = _recv_exact(4 + size, data)
-        job = _one(marshal.loads(data[4 : 4 + size]), fds, data[4 + size :])
-        if job is not None:
-            return job
+        _one(spare, data, fds)
+        kind, spare = _spare()
+        if kind == "program":
+            return spare
 
-_source, _path, _main = _serve()  # from here on: the program's own process only, as the per-run bootstrap
+def _finish(code):
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        threading._shutdown()
+    import atexit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            code = 120
+    os._exit(code)
+
+def _exit_code(value):
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF if -(1 << 63) <= value < (1 << 63) else 255
+    try:
+        sys.stderr.write(str(value) + "\n")
+    except Exception:
+        pass
+    return 1
+
+gc.freeze()  # the zygote's objects: never scanned (nor copied on write) by an evaluation's collector
+_sock = _serve()  # from here on: the program's own process only, as the per-run bootstrap
+try:
+    _source, _path, _main = _program(_sock)
+except BaseException as _exc:
+    os.write(2, ("crf sandbox pool: " + repr(_exc) + "\n").encode("utf-8", "replace"))
+    os._exit(125)
 _code = compile(_source, _path, "exec")
-del _ctl, _blob, _buf, _prog, _f, _source
+del _ctl, _blob, _buf, _prog, _f, _source, _sock
 sys.modules["__main__"] = _main
-exec(_code, _main.__dict__)
+try:
+    exec(_code, _main.__dict__)
+except SystemExit as _exc:
+    _finish(_exit_code(_exc.code))
+except BaseException:
+    sys.excepthook(*sys.exc_info())
+    _finish(1)
+_finish(0)
 """
 
 
@@ -330,7 +406,7 @@ class SandboxPool:
             return _failed(start, "bwrap", f"sandbox pool: {exc}")
         try:
             if worker is None:
-                worker = _Worker(self.interpreter)
+                worker = _spawn(self.interpreter)
                 self._all.add(worker)
             return worker.evaluate(code, stdin, limits, extra_env, start)
         except Exception as exc:  # the contract: nothing the program does makes run_python raise
@@ -359,6 +435,33 @@ class SandboxPool:
             self._cond.notify()
         if worker is not None and not keep:
             worker.close()
+
+
+_spawn_lock = threading.Lock()
+_spawn_jobs: queue.SimpleQueue[tuple[Interpreter, Future[_Worker]]] = queue.SimpleQueue()
+_spawner: threading.Thread | None = None
+
+
+def _spawn(interp: Interpreter) -> _Worker:
+    """A new worker, started by one long-lived thread: bubblewrap's ``--die-with-parent`` is a parent-death
+    signal, sent when the thread that started it exits (a reward's thread pool would kill its workers)."""
+    global _spawner
+    with _spawn_lock:
+        if _spawner is None or not _spawner.is_alive():
+            _spawner = threading.Thread(target=_serve_spawns, name="crf-sandbox-pool-spawner", daemon=True)
+            _spawner.start()
+    future: Future[_Worker] = Future()
+    _spawn_jobs.put((interp, future))
+    return future.result(timeout=_START_S + 10.0)
+
+
+def _serve_spawns() -> None:
+    while True:
+        interp, future = _spawn_jobs.get()
+        try:
+            future.set_result(_Worker(interp))
+        except BaseException as exc:
+            future.set_exception(exc)
 
 
 def _close_workers(workers: weakref.WeakSet[_Worker]) -> None:
