@@ -50,6 +50,7 @@ import re
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 from crf_core.rewards._bubblewrap import (
@@ -151,7 +152,7 @@ def _program(sock):
     sock.close()
     if data is None:
         os._exit(0)
-    numbers, uid, env, tmp_bytes, shm_bytes = marshal.loads(data[4:])
+    numbers, uid, env, tmp_bytes, shm_bytes, compiled = marshal.loads(data[4:])
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(4, 1 << 16)
@@ -189,7 +190,7 @@ def _program(sock):
     main = type(sys)("__main__")
     main.__file__ = path
     sys.argv = [path]
-    return b"".join(chunks), path, main
+    return b"".join(chunks), path, main, compiled
 
 def _evaluation(sock, w):
     # E: new namespaces, then I (their pid 1: fresh mounts), then P (waits for its job on sock).
@@ -334,11 +335,11 @@ def _exit_code(value):
 gc.freeze()  # the zygote's objects: never scanned (nor copied on write) by an evaluation's collector
 _sock = _serve()  # from here on: the program's own process only, as the per-run bootstrap
 try:
-    _source, _path, _main = _program(_sock)
+    _source, _path, _main, _code = _program(_sock)
 except BaseException as _exc:
     os.write(2, ("crf sandbox pool: " + repr(_exc) + "\n").encode("utf-8", "replace"))
     os._exit(125)
-_code = compile(_source, _path, "exec")
+_code = compile(_source, _path, "exec") if _code is None else marshal.loads(_code)
 del _ctl, _blob, _buf, _prog, _f, _source, _sock
 sys.modules["__main__"] = _main
 try:
@@ -359,15 +360,20 @@ class SandboxPool:
         workers: evaluations run at once (an int in [1, 256]); a worker starts at its first use and is
             replaced when it fails. More concurrent callers wait for a free worker.
         python: interpreter the workers run (default ``sys.executable``'s base interpreter).
+        preload: trusted sources run often (``UnitTestReward``'s harness): compiled once here, so an evaluation
+            of one of them skips the compile (only when the workers run the trainer's own interpreter; never
+            pass candidate code, which must be compiled only inside the sandbox).
 
     Raises:
         ValueError: an invalid argument.
         SandboxUnavailableError: bubblewrap is not usable here, or the trainer is not root.
     """
 
-    def __init__(self, workers: int = 2, *, python: str | None = None) -> None:
+    def __init__(self, workers: int = 2, *, python: str | None = None, preload: Sequence[str] = ()) -> None:
         if not (isinstance(workers, int) and not isinstance(workers, bool) and 1 <= workers <= 256):
             raise ValueError(f"workers must be an int in [1, 256], got {workers!r}")
+        if isinstance(preload, str) or not all(isinstance(source, str) for source in preload):
+            raise TypeError("preload must be a sequence of str (trusted Python sources)")
         if os.geteuid() != 0:
             raise SandboxUnavailableError(
                 "the warm sandbox pool needs a root trainer (each evaluation runs as a sandbox uid of its own); "
@@ -375,6 +381,13 @@ class SandboxPool:
             )
         require_isolation("bwrap", python)
         self.interpreter: Interpreter = interpreter(python)
+        self._preloaded: dict[str, bytes] = {}
+        if self.interpreter == interpreter(None):  # marshal's format is the trainer's interpreter's
+            for source in preload:
+                with contextlib.suppress(SyntaxError, ValueError):
+                    self._preloaded[source] = marshal.dumps(
+                        compile(source, "/tmp/main.py", "exec", dont_inherit=True, optimize=0)
+                    )
         self.workers = workers
         self._cond = threading.Condition()
         self._idle: list[_Worker] = []
@@ -408,7 +421,7 @@ class SandboxPool:
             if worker is None:
                 worker = _spawn(self.interpreter)
                 self._all.add(worker)
-            return worker.evaluate(code, stdin, limits, extra_env, start)
+            return worker.evaluate(code, stdin, limits, extra_env, start, self._preloaded.get(code))
         except Exception as exc:  # the contract: nothing the program does makes run_python raise
             if worker is not None:
                 worker.healthy = False
@@ -556,7 +569,7 @@ class _Worker:
         return kind, value
 
     def evaluate(
-        self, code: str, stdin: bytes, limits: _Limits, extra_env: dict[str, str], start: float
+        self, code: str, stdin: bytes, limits: _Limits, extra_env: dict[str, str], start: float, compiled: bytes | None
     ) -> SandboxResult:
         """Run one evaluation; a worker that breaks the protocol or does not answer is closed (never reused)."""
         self.healthy = False  # until the zygote has confirmed this evaluation gone
@@ -573,7 +586,8 @@ class _Worker:
                 limits.processes,
             )  # fmt: skip
             env = {"PATH": _PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PWD": "/tmp", **extra_env}
-            body = marshal.dumps((numbers, uid, env, limits.tmp_bytes, min(limits.tmp_bytes, SHM_BYTES)))
+            job = (numbers, uid, env, limits.tmp_bytes, min(limits.tmp_bytes, SHM_BYTES), compiled)
+            body = marshal.dumps(job)
             self.ctl.settimeout(_REPLY_S)
             try:
                 socket.send_fds(

@@ -122,7 +122,7 @@ class UnitTestReward:
         if warm_pool and isolation != "bwrap":
             raise ValueError(f"warm_pool=True runs under bubblewrap: it needs isolation='bwrap', got {isolation!r}")
         require_isolation(isolation)  # refuse now, not at the first training step
-        self.pool: SandboxPool | None = SandboxPool(max_workers) if warm_pool else None
+        self.pool = SandboxPool(max_workers, preload=[_HARNESS_SOURCE]) if warm_pool else None
         self.tests_key = tests_key
         self.prepend_prompt = prepend_prompt
         self.timeout_s = float(timeout_s)
