@@ -38,8 +38,10 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from crf_core.rewards import UnitTestReward, bubblewrap_problem
+from crf_core.rewards.sandbox import Isolation
 
 TASKS = [
     ("add", ["assert add(1, 2) == 3", "assert add(0, 5) == 5", "assert add(-1, 8) == 7"], "a + b", "a - b"),
@@ -75,8 +77,8 @@ def plain(flags: list[str]) -> Callable[[str, list[str]], bool]:
     return run
 
 
-def reward(isolation: str, warm_pool: bool = False) -> Callable[[str, list[str]], bool]:
-    scorer = UnitTestReward(prepend_prompt=False, timeout_s=5.0, isolation=isolation, warm_pool=warm_pool)  # type: ignore[arg-type]
+def reward(isolation: Isolation, warm_pool: bool = False) -> Callable[[str, list[str]], bool]:
+    scorer = UnitTestReward(prepend_prompt=False, timeout_s=5.0, isolation=isolation, warm_pool=warm_pool)
     return lambda code, tests: scorer.score(code, tests).reward == 1.0
 
 
@@ -89,9 +91,9 @@ def plain_batch(workers: int) -> Batch:
     return lambda batch: list(executor.map(lambda job: one(job[0], job[1]), batch))
 
 
-def reward_batch(isolation: str, warm_pool: bool, workers: int) -> Batch:
+def reward_batch(isolation: Isolation, warm_pool: bool, workers: int) -> Batch:
     scorer = UnitTestReward(
-        prepend_prompt=False, timeout_s=5.0, isolation=isolation, warm_pool=warm_pool, max_workers=workers  # type: ignore[arg-type]
+        prepend_prompt=False, timeout_s=5.0, isolation=isolation, warm_pool=warm_pool, max_workers=workers
     )
 
     def run(batch: list[tuple[str, list[str], bool]]) -> list[bool]:
@@ -159,14 +161,19 @@ def main() -> None:
                     raise SystemExit(f"{name} judged program {i} {verdict}, expected {good}:\n{code}")
         for name in names:
             rates[name].append(len(work) / seconds[name])
-    load = open("/proc/loadavg").read().split()[:3]
+    load = loadavg()
     print(f"{len(work)} programs x {opts.rounds} rounds, {os.cpu_count()} cores, load average {' '.join(load)}")
     report("sequential", rates)
     if opts.batch > 0:
         batch_rates = measure_batches(work, opts.batch, opts.rounds)
-        load = open("/proc/loadavg").read().split()[:3]
+        load = loadavg()
         print(f"batches of {opts.batch}, 2 workers, load average {' '.join(load)}")
         report("batches", batch_rates)
+
+
+def loadavg() -> list[str]:
+    """The 1, 5 and 15 minute load averages, as /proc/loadavg writes them."""
+    return Path("/proc/loadavg").read_text().split()[:3]
 
 
 def report(title: str, rates: dict[str, list[float]]) -> None:
@@ -179,6 +186,7 @@ def report(title: str, rates: dict[str, list[float]]) -> None:
     print(f"  ratio pool / plain subprocess:      {median['pool'] / plain_rate:.2f}x (target >= 1.5x)")
     if "plain -I -S" in median:
         print(f"  ratio pool / plain -I -S:           {median['pool'] / median['plain -I -S']:.2f}x")
+
 
 if __name__ == "__main__":
     main()

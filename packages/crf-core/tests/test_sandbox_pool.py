@@ -159,9 +159,11 @@ def test_attack_on_the_zygote_costs_nothing_to_the_next_evaluation(name: str) ->
         run_python("pass", pool=pool)
         (worker,) = pool._idle
         attacked = run_python(ZYGOTE_KILLERS[name], pool=pool, timeout_s=5.0)
-        assert attacked.error is None and not attacked.timed_out, attacked
+        assert attacked.error is None, attacked
+        assert not attacked.timed_out, attacked
         after = run_python("print(6 * 7)", pool=pool, timeout_s=10.0)
-        assert after.ok and after.stdout == "42\n", after
+        assert after.ok, after
+        assert after.stdout == "42\n", after
         assert pool._idle == [worker], "the zygote survived (it was never reachable)"
 
 
@@ -177,10 +179,12 @@ def test_a_zygote_killed_from_outside_costs_one_evaluation_and_a_restart() -> No
         start = time.monotonic()
         hit = run_python("import time; time.sleep(3); print('done')", pool=pool, timeout_s=10.0)
         assert time.monotonic() - start < 5.0
-        assert hit.error is not None and "replaced" in hit.error, hit
+        assert hit.error is not None, hit
+        assert "replaced" in hit.error, hit
         assert hit.stdout == ""
         after = run_python("print(1)", pool=pool, timeout_s=10.0)
-        assert after.ok and after.stdout == "1\n", after
+        assert after.ok, after
+        assert after.stdout == "1\n", after
         assert pool._idle != [worker]
 
 
@@ -206,8 +210,10 @@ def test_attack_hostile_evaluation_does_not_affect_a_concurrent_one(hostile: str
         time.sleep(0.5)
         good = executor.submit(run_python, HONEST_WORK, pool=sandbox_pool, timeout_s=20.0)
         honest, hostile_result = good.result(), bad.result()
-    assert honest.ok and honest.stdout.split()[0] == "5", honest
-    assert hostile_result.timed_out and hostile_result.error is None, hostile_result
+    assert honest.ok, honest
+    assert honest.stdout.split()[0] == "5", honest
+    assert hostile_result.timed_out, hostile_result
+    assert hostile_result.error is None, hostile_result
     assert _host_processes_with(token) == []
     after = run_python(HONEST_WORK, pool=sandbox_pool, timeout_s=20.0)
     assert after.ok, after
@@ -217,7 +223,8 @@ def test_attack_hanging_past_the_time_limit_returns_in_time(sandbox_pool: Sandbo
     for program in ("while True: pass", "import os; os.close(1); os.close(2)\nwhile True: pass", SLEEPER):
         start = time.monotonic()
         result = run_python(program, pool=sandbox_pool, timeout_s=1.0)
-        assert result.timed_out and result.returncode is None, result
+        assert result.timed_out, result
+        assert result.returncode is None, result
         assert time.monotonic() - start < 1.0 + 5.0
     assert run_python("print(1)", pool=sandbox_pool).stdout == "1\n"
 
@@ -280,7 +287,7 @@ def test_pool_options_are_validated(sandbox_pool: SandboxPool) -> None:
     with pytest.raises(ValueError, match="workers"):
         SandboxPool(True)
     with pytest.raises(TypeError, match="preload"):
-        SandboxPool(1, preload="print(1)")  # type: ignore[arg-type]
+        SandboxPool(1, preload="print(1)")
     with pytest.raises(ValueError, match="isolation='bwrap'"):
         run_python("pass", pool=sandbox_pool, isolation="rlimits")
     with pytest.raises(TypeError, match="SandboxPool"):
@@ -300,7 +307,8 @@ def test_closed_pool_returns_an_error() -> None:
     assert run_python("print(1)", pool=pool).ok
     pool.close()
     result = run_python("print(1)", pool=pool)
-    assert result.error is not None and "closed" in result.error
+    assert result.error is not None
+    assert "closed" in result.error
 
 
 def _host_processes_with(token: str) -> list[str]:

@@ -41,12 +41,12 @@ import marshal
 import math
 import os
 import queue
+import re
 import select
 import signal
 import socket
 import struct
 import subprocess
-import re
 import threading
 import time
 import weakref

@@ -33,10 +33,10 @@ from typing import Any
 
 from crf_core.messages import message_text
 from crf_core.rewards import _harness
+from crf_core.rewards._pool import SandboxPool
 from crf_core.rewards.asserts import Check, UnitTest, Unsplittable, parse_tests
 from crf_core.rewards.extract import extract_code
 from crf_core.rewards.record import MalformedRecord, NotData, Raised, Returned, bounded_repr, parse_record
-from crf_core.rewards._pool import SandboxPool
 from crf_core.rewards.sandbox import Isolation, SandboxResult, require_isolation, run_python
 
 __all__ = ["TestOutcome", "UnitTestReward"]
