@@ -59,6 +59,22 @@ def test_honest_program_same_result_as_a_fresh_sandbox(name: str, sandbox_pool: 
     assert _comparable(pooled) == _comparable(fresh), (pooled, fresh)
 
 
+PRIVILEGES = """
+import os
+keys = ('CapInh', 'CapPrm', 'CapEff', 'CapBnd', 'CapAmb', 'NoNewPrivs', 'Seccomp', 'Seccomp_filters', 'Groups')
+print(''.join(line for line in open('/proc/self/status') if line.split(':')[0] in keys))
+print(os.getuid() != 0, os.getuid() == os.geteuid(), sorted(os.listdir('/proc/self/fd')))
+"""
+
+
+def test_pool_program_has_the_fresh_sandboxs_privileges(sandbox_pool: SandboxPool) -> None:
+    """Capabilities (bounding and inheritable sets too), no_new_privs, seccomp, groups and uid as in a fresh sandbox."""
+    fresh = run_python(PRIVILEGES)
+    pooled = run_python(PRIVILEGES, pool=sandbox_pool)
+    assert fresh.ok, fresh
+    assert pooled.stdout == fresh.stdout
+
+
 def test_unit_test_reward_pool_scores_like_the_fresh_sandbox() -> None:
     tests = ["assert add(1, 2) == 3", "assert add(0, 5) == 5", "assert add(-1, 8) == 7"]
     programs = ["def add(a, b):\n    return a + b\n", "def add(a, b):\n    return 3\n", "def add(a, b):\n    1/0\n"]

@@ -173,8 +173,8 @@ def bwrap_command(
     """``(argv prefix up to and including '--', fds bwrap must inherit, uid the bootstrap drops to or -1)``.
 
     ``zygote=True`` (root only) is the warm pool's worker (``crf_core.rewards._pool``): it also keeps
-    ``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN`` (in the sandbox's user namespace) to set up each evaluation's
-    namespaces and mounts, and takes no uid (each evaluation takes its own).
+    ``CAP_SYS_ADMIN``, ``CAP_NET_ADMIN`` and ``CAP_SETPCAP`` (in the sandbox's user namespace) to set up each
+    evaluation's namespaces and mounts and drop them again, and takes no uid (each evaluation takes its own).
 
     Raises OSError when the trainer is root and no user namespace can be created.
     """
@@ -184,7 +184,7 @@ def bwrap_command(
         userns = _root_userns()
         argv += ["--userns", str(userns), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         if zygote:
-            argv += ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
+            argv += ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--cap-add", "CAP_SETPCAP"]
         fds.append(userns)
         drop_uid = -1 if zygote else acquire_uid()
     elif zygote:

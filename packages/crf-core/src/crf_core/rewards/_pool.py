@@ -11,8 +11,8 @@ stderr, code) over a Unix socket, with the limits, the environment and a sandbox
   ``/proc`` (the sub-trees bubblewrap keeps read-only stay read-only), a fresh ``tmp_mb`` tmpfs at
   ``/tmp`` (the working directory and ``HOME``) and a fresh one at ``/dev/shm``, then forks the program
   and reaps every process until the program exits (exit status as in the per-run sandbox);
-* ``P``, the program: reads its code, sets the same rlimits, drops to the evaluation's uid (no
-  capability left), sets ``no_new_privs`` and installs the same seccomp filter
+* ``P``, the program: reads its code, sets the same rlimits, drops the zygote's extra capabilities from
+  its bounding and inheritable sets, drops to the evaluation's uid (no capability left), sets ``no_new_privs`` and installs the same seccomp filter
   (``crf_core.rewards._seccomp``) itself, clears the environment to the one asked for, forgets the
   modules the zygote imported, then runs the code as ``__main__`` exactly as the per-run bootstrap does.
 
@@ -29,8 +29,8 @@ What differs from the per-run sandbox, and why the pool is opt-in: every evaluat
 fork of the same interpreter, so it shares its address-space layout (ASLR) and ``str`` hash seed;
 the seccomp filter is installed by the program's own bootstrap rather than by bubblewrap (the same
 filter, before any candidate code runs); the zygote and its setup processes hold ``CAP_SYS_ADMIN`` and
-``CAP_NET_ADMIN`` in the sandbox's user namespace (they never run candidate code, and the program runs
-under another uid); and it needs a root trainer (per-evaluation uids come from the root trainer's user
+``CAP_NET_ADMIN`` and ``CAP_SETPCAP`` in the sandbox's user namespace (they never run candidate code; the
+program drops them from its bounding and inheritable sets and runs under another uid, as the per-run one); and it needs a root trainer (per-evaluation uids come from the root trainer's user
 namespace; without root ``SandboxPool`` refuses).
 """
 
@@ -103,6 +103,11 @@ class _Prog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 _buf = ctypes.create_string_buffer(_blob, len(_blob))
 _prog = _Prog(len(_blob) // 8, ctypes.cast(_buf, ctypes.c_void_p))
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+_ZYGOTE_CAPS = (21, 12, 8)  # CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP (last: it permits the drops)
 _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND, _REC, _PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 _NS = 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000  # NEWNS, NEWPID, NEWNET, NEWIPC, NEWUTS
 
@@ -173,6 +178,13 @@ def _program(sock):
             except (ValueError, OSError):
                 pass
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for cap in _ZYGOTE_CAPS:  # bounding and inheritable sets as in the per-run sandbox (CAP_SETUID, CAP_SETGID)
+        _ok(_libc.prctl(24, cap, None, 0, 0), "drop capability")  # PR_CAPBSET_DROP
+    head, data = _CapHeader(0x20080522, 0), (_CapData * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    _ok(_libc.capget(ctypes.byref(head), data), "capget")
+    for word in data:
+        word.inheritable &= ~sum(1 << cap for cap in _ZYGOTE_CAPS)
+    _ok(_libc.capset(ctypes.byref(head), data), "capset")
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
