@@ -20,6 +20,10 @@ removed afterwards. It does not stop the program from reading other processes' f
 signalling processes of the same user, using the network, writing wherever the user may write,
 or leaving processes that left its process group (``setsid``).
 
+``run_python(..., pool=SandboxPool(...))`` (explicit opt-in, root trainers) runs under bubblewrap too, in a warm
+worker that forks each run from an interpreter already started inside the sandbox, with fresh namespaces, tmpfs,
+uid, rlimits and seccomp per run; ``crf_core.rewards._pool`` says how, and what differs from a fresh sandbox.
+
 Both set, before the untrusted code runs: ``RLIMIT_AS`` = ``memory_mb``, ``RLIMIT_CPU`` = the time
 limit, ``RLIMIT_FSIZE`` = ``max_file_mb``, ``RLIMIT_NOFILE`` = ``max_open_files``,
 ``RLIMIT_NPROC`` = ``max_processes`` (under bubblewrap it counts only the sandbox's processes; a
@@ -264,7 +268,11 @@ def _in_pool(
         raise TypeError(f"pool must be a SandboxPool, got {type(pool).__name__}")
     if isolation != "bwrap":
         raise ValueError(f"a SandboxPool runs under bubblewrap: pool= needs isolation='bwrap', got {isolation!r}")
-    if python is not None and interpreter(python) != pool.interpreter:
+    try:
+        asked = interpreter(python) if python is not None else pool.interpreter
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ValueError(f"python={python!r} cannot be run: {exc}") from exc
+    if asked != pool.interpreter:
         raise ValueError(f"python={python!r} is not the pool's interpreter {pool.interpreter.path!r}")
     data = stdin if isinstance(stdin, bytes) else stdin.encode("utf-8", errors="surrogatepass")
     return pool.execute(code, data, limits, extra_env)
