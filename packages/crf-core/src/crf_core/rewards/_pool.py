@@ -4,15 +4,16 @@ Each worker is one bubblewrap sandbox (the mounts of ``crf_core.rewards._bubblew
 *zygote*: an interpreter started once with the sandbox's flags that never runs candidate code. A worker
 runs one evaluation at a time. For each, the trainer passes the zygote four fresh pipes (stdin, stdout,
 stderr, code) over a Unix socket, with the limits, the environment and a sandbox uid of its own
-(``acquire_uid``). The zygote forks:
+(``acquire_uid``). Ahead of each job, the zygote forks:
 
-* ``E``, which unshares new mount, pid, network, ipc and uts namespaces and brings the new loopback up;
-* ``I``, E's child, pid 1 of the new pid namespace, which makes every mount private, mounts a fresh
-  ``/proc`` (the sub-trees bubblewrap keeps read-only stay read-only), a fresh ``tmp_mb`` tmpfs at
-  ``/tmp`` (the working directory and ``HOME``) and a fresh one at ``/dev/shm``, then forks the program
-  and reaps every process until the program exits (exit status as in the per-run sandbox);
-* ``P``, the program: reads its code, sets the same rlimits, drops the zygote's extra capabilities from
-  its bounding and inheritable sets, drops to the evaluation's uid (no capability left), sets ``no_new_privs`` and installs the same seccomp filter
+* ``I``, pid 1 of a new pid namespace, which unshares new mount, network, ipc and uts namespaces, brings
+  the new loopback up, makes every mount private, mounts a fresh ``/proc`` (the sub-trees bubblewrap keeps
+  read-only stay read-only), a fresh tmpfs at ``/tmp`` (the working directory and ``HOME``; resized to
+  ``tmp_mb`` per job) and a fresh one at ``/dev/shm``, then forks the program and reaps every process until
+  the program exits (exit status as in the per-run sandbox);
+* ``P``, the program, which waits for its job, then: takes its pipes, reads its code, sets the same
+  rlimits, drops the zygote's extra capabilities from its bounding and inheritable sets, drops to the
+  evaluation's uid (no capability left), sets ``no_new_privs``, installs the same seccomp filter
   (``crf_core.rewards._seccomp``) itself, clears the environment to the one asked for, forgets the
   modules the zygote imported, then runs the code as ``__main__`` exactly as the per-run bootstrap does.
 
@@ -96,6 +97,7 @@ with open(int(sys.argv[2]), "rb", closefd=True) as _f:
     _blob = _f.read()
 os.closerange(3, _ctl.fileno())
 os.closerange(_ctl.fileno() + 1, 1 << 16)
+_PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
@@ -109,7 +111,8 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 _ZYGOTE_CAPS = (21, 12, 8)  # CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP (last: it permits the drops)
 _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND, _REC, _PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
-_NS = 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000  # NEWNS, NEWPID, NEWNET, NEWIPC, NEWUTS
+_NEWPID = 0x20000000
+_NS = 0x00020000 | 0x40000000 | 0x08000000 | 0x04000000  # NEWNS, NEWNET, NEWIPC, NEWUTS
 
 def _ok(ret, what):
     if ret != 0:
@@ -205,8 +208,9 @@ def _program(sock):
     return b"".join(chunks), path, main, compiled
 
 def _evaluation(sock, w):
-    # E: new namespaces, then I (their pid 1: fresh mounts), then P (waits for its job on sock).
+    # I: pid 1 of a new pid namespace; new mount, network, ipc and uts namespaces, fresh mounts; then P.
     _ctl.detach()  # its fd is closed below; the object must never close a reused number
+    _libc.prctl(1, signal.SIGKILL, None, 0, 0)  # PR_SET_PDEATHSIG: gone with the zygote
     keep = sorted((sock.fileno(), w))
     os.closerange(3, keep[0])
     os.closerange(keep[0] + 1, keep[1])
@@ -214,32 +218,23 @@ def _evaluation(sock, w):
     _ok(_libc.unshare(_NS), "unshare")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # SIOCSIFFLAGS lo: UP | LOOPBACK | RUNNING
         fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", 0x1 | 0x8 | 0x40))
-    child = os.fork()
-    if child == 0:
-        _libc.prctl(1, signal.SIGKILL, None, 0, 0)  # PR_SET_PDEATHSIG
-        _setup()
-        program = os.fork()
-        if program == 0:
-            os.close(w)
-            return sock
-        sock.close()
-        os.write(w, b"o")
-        os.closerange(0, 1 << 16)
-        while True:
-            try:
-                pid, status = os.waitpid(-1, 0)
-            except ChildProcessError:
-                os._exit(255)
-            except InterruptedError:
-                continue
-            if pid == program:
-                _exit_like(status)
+    _setup()
+    program = os.fork()
+    if program == 0:
+        os.close(w)
+        return sock
+    sock.close()
+    os.write(w, b"o")
     os.closerange(0, 1 << 16)
     while True:
         try:
-            _exit_like(os.waitpid(child, 0)[1])
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(255)
         except InterruptedError:
             continue
+        if pid == program:
+            _exit_like(status)
 
 def _reap_all():
     for _ in range(2):
@@ -260,7 +255,13 @@ def _spare():
     # in the zygote, ("program", job socket) in P.
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     r, w = os.pipe()
-    e = os.fork()
+    _ok(_libc.unshare(_NEWPID), "unshare")  # the next child is pid 1 of a new pid namespace
+    e = -1
+    try:
+        e = os.fork()
+    finally:
+        if e != 0:  # the zygote's later children: back in its own pid namespace (so unshare works next time)
+            _ok(_libc.setns(_PIDNS, _NEWPID), "setns")
     if e == 0:
         ours.detach()
         try:
