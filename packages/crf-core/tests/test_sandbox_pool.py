@@ -41,6 +41,7 @@ HONEST = {
         "if __name__ == '__main__':\n    with Pool(2) as p:\n        print(p.map(abs, [-1, -2, 3]))"
     ),
     "tmp-files": "open('x.txt', 'w').write('a' * 1000); import os; print(os.listdir('.'))",
+    "exit-with-broken-builtins": "import builtins\nprint('x')\nbuiltins.len = lambda x: 0",
     "modules": "import sys; print('json' in sys.modules, 'ctypes' in sys.modules, 'socket' in sys.modules)",
 }
 

@@ -91,6 +91,7 @@ _ZYGOTE = r"""
 import sys
 _FRESH = set(sys.modules)
 import ctypes, fcntl, gc, marshal, os, resource, select, signal, socket, struct
+from atexit import _run_exitfuncs  # bound now: the program's exit imports nothing (it may have broken importing)
 _MSG = struct.Struct("=ci")
 _ctl = socket.socket(fileno=int(sys.argv[1]))
 with open(int(sys.argv[2]), "rb", closefd=True) as _f:
@@ -325,8 +326,7 @@ def _finish(code):
     threading = sys.modules.get("threading")
     if threading is not None:
         threading._shutdown()
-    import atexit
-    atexit._run_exitfuncs()
+    _run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
