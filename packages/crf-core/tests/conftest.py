@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -62,6 +62,24 @@ def bwrap() -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(message + " (CI=true: tests that need it must run)")
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def sandbox_pool() -> Iterator[Any]:
+    """A ``SandboxPool`` of 2 workers: needs bubblewrap (as ``bwrap``) and a root trainer (skipped otherwise: the
+    pool refuses non-root trainers by design, so no CI setting makes these tests runnable without root)."""
+    from crf_core.rewards import SandboxPool, bubblewrap_problem
+
+    problem = bubblewrap_problem()
+    if problem is not None:
+        message = f"bubblewrap is not usable here ({problem}); install the Debian package `bubblewrap`"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message + " (CI=true: tests that need it must run)")
+        pytest.skip(message)
+    if os.geteuid() != 0:
+        pytest.skip("the warm sandbox pool needs a root trainer (it refuses otherwise)")
+    with SandboxPool(2) as pool:
+        yield pool
 
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"

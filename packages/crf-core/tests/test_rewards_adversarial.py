@@ -9,10 +9,11 @@ bounded feedback. ``FORGED_RECORDS`` feeds hostile record text straight to the t
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from crf_core.rewards import UnitTestReward
+from crf_core.rewards import SandboxPool, UnitTestReward
 from crf_core.rewards.record import MalformedRecord, parse_record
 
 pytestmark = pytest.mark.usefixtures("bwrap")
@@ -274,8 +275,27 @@ def reward() -> UnitTestReward:
     return UnitTestReward(prepend_prompt=False, timeout_s=2.0)
 
 
+@pytest.fixture(scope="module")
+def pool_reward(sandbox_pool: SandboxPool) -> Iterator[UnitTestReward]:
+    """``UnitTestReward(warm_pool=True)`` (skipped, like ``sandbox_pool``, without bubblewrap or root)."""
+    scorer = UnitTestReward(prepend_prompt=False, timeout_s=2.0, warm_pool=True)
+    yield scorer
+    assert scorer.pool is not None
+    scorer.pool.close()
+
+
 @pytest.mark.parametrize("name", sorted(REWARD_ATTACKS))
 def test_reward_exploit_is_contained(name: str, reward: UnitTestReward) -> None:
+    _exploit_contained(name, reward)
+
+
+@pytest.mark.parametrize("name", sorted(REWARD_ATTACKS))
+def test_reward_exploit_is_contained_in_the_pool(name: str, pool_reward: UnitTestReward) -> None:
+    _exploit_contained(name, pool_reward)
+    _exploit_contained(name, pool_reward)  # and the next evaluation of the same worker is unaffected
+
+
+def _exploit_contained(name: str, reward: UnitTestReward) -> None:
     program, tests, expected = REWARD_ATTACKS[name]
     logged: dict[str, list[object]] = {}
     start = time.monotonic()
@@ -420,6 +440,16 @@ def test_honest_program_scores_right(name: str) -> None:
     program, tests, expected = HONEST_PROGRAMS[name]
     logged: dict[str, list[object]] = {}
     reward = UnitTestReward(prepend_prompt=False, timeout_s=20.0)  # generous: 2 shared cores under load
+    scores = reward([""], [program], tests=[tests], log_extra=lambda k, v: logged.update({k: v}))
+    assert scores == [expected], logged["feedback"]
+
+
+@pytest.mark.parametrize("name", sorted(HONEST_PROGRAMS))
+def test_honest_program_scores_the_same_in_the_pool(name: str, sandbox_pool: SandboxPool) -> None:
+    program, tests, expected = HONEST_PROGRAMS[name]
+    logged: dict[str, list[object]] = {}
+    reward = UnitTestReward(prepend_prompt=False, timeout_s=20.0)
+    reward.pool = sandbox_pool  # the shared pool (a fresh one per test would start new workers)
     scores = reward([""], [program], tests=[tests], log_extra=lambda k, v: logged.update({k: v}))
     assert scores == [expected], logged["feedback"]
 

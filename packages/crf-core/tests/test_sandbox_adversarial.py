@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from crf_core.rewards import SandboxResult, run_python
+from crf_core.rewards import SandboxPool, SandboxResult, run_python
 
 pytestmark = pytest.mark.usefixtures("bwrap")
 TIME_BOUND_S = 5.0  # run_python returns within timeout_s + this
@@ -706,8 +706,20 @@ def _cleanup_escapes(host: Host) -> None:
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_attack_is_contained(name: str, host: Host, signals_received: list[int]) -> None:
+    _contained(name, host, signals_received, None)
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_attack_is_contained_in_the_pool(
+    name: str, host: Host, signals_received: list[int], sandbox_pool: SandboxPool
+) -> None:
+    """The same attacks against the warm pool (``SandboxPool``), each run twice: the second run must be unaffected."""
+    _contained(name, host, signals_received, sandbox_pool)
+
+
+def _contained(name: str, host: Host, signals_received: list[int], pool: SandboxPool | None) -> None:
     attack = ATTACKS[name]
-    runs = 2 if name == "dev-shm-persistence" else 1
+    runs = 2 if name == "dev-shm-persistence" or pool is not None else 1
     try:
         for _ in range(runs):
             start = time.monotonic()
@@ -715,6 +727,7 @@ def test_attack_is_contained(name: str, host: Host, signals_received: list[int])
                 host.program_header() + attack.program,
                 timeout_s=attack.timeout_s,
                 extra_env={"CRF_ATTACK_TOKEN": host.token},
+                pool=pool,
                 **dict(attack.kwargs),
             )
             elapsed = time.monotonic() - start

@@ -5,6 +5,8 @@ The policy under RL is an adversary of its reward, so both halves assume hostile
 * ``run_python`` (``crf_core.rewards.sandbox``) runs untrusted Python under bubblewrap (namespaces,
   read-only root, one private tmpfs, cleared environment, seccomp, rlimits), or with rlimits only
   when the caller opts into ``isolation="rlimits"``; ``bubblewrap_usable()`` says which is possible.
+  ``SandboxPool`` (``run_python(pool=...)``, ``UnitTestReward(warm_pool=True)``) keeps warm bubblewrap
+  workers that fork a freshly namespaced process per run (opt-in; root trainers).
 * ``UnitTestReward`` (``crf_core.rewards.unit_tests``) is a TRL reward function. The sandboxed
   program only returns data; the test list is split on the trainer side into calls and expected
   values (``crf_core.rewards.asserts``), and the trainer compares them after a strict read of the
@@ -17,6 +19,7 @@ imports the trainer (the text of chat completions comes from ``crf_core.messages
 
 from __future__ import annotations
 
+from crf_core.rewards._pool import SandboxPool
 from crf_core.rewards.asserts import Check, UnitTest, UnsplittableTestError, parse_test, parse_tests
 from crf_core.rewards.extract import extract_code
 from crf_core.rewards.sandbox import (
@@ -30,6 +33,7 @@ from crf_core.rewards.unit_tests import TestOutcome, UnitTestReward
 
 __all__ = [
     "Check",
+    "SandboxPool",
     "SandboxResult",
     "SandboxUnavailableError",
     "TestOutcome",

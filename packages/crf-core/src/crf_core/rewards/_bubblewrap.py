@@ -168,8 +168,13 @@ def bwrap_command(
     env: dict[str, str],
     status_fd: int,
     seccomp_fd: int | None,
+    zygote: bool = False,
 ) -> tuple[list[str], list[int], int]:
     """``(argv prefix up to and including '--', fds bwrap must inherit, uid the bootstrap drops to or -1)``.
+
+    ``zygote=True`` (root only) is the warm pool's worker (``crf_core.rewards._pool``): it also keeps
+    ``CAP_SYS_ADMIN``, ``CAP_NET_ADMIN`` and ``CAP_SETPCAP`` (in the sandbox's user namespace) to set up each
+    evaluation's namespaces and mounts and drop them again, and takes no uid (each evaluation takes its own).
 
     Raises OSError when the trainer is root and no user namespace can be created.
     """
@@ -178,8 +183,12 @@ def bwrap_command(
     if os.geteuid() == 0:
         userns = _root_userns()
         argv += ["--userns", str(userns), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        if zygote:
+            argv += ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--cap-add", "CAP_SETPCAP"]
         fds.append(userns)
-        drop_uid = acquire_uid()
+        drop_uid = -1 if zygote else acquire_uid()
+    elif zygote:
+        raise OSError("the warm pool needs a root trainer (each evaluation runs as a sandbox uid of its own)")
     else:
         argv += ["--unshare-user", "--disable-userns"]
         drop_uid = -1

@@ -20,6 +20,10 @@ removed afterwards. It does not stop the program from reading other processes' f
 signalling processes of the same user, using the network, writing wherever the user may write,
 or leaving processes that left its process group (``setsid``).
 
+``run_python(..., pool=SandboxPool(...))`` (explicit opt-in, root trainers) runs under bubblewrap too, in a warm
+worker that forks each run from an interpreter already started inside the sandbox, with fresh namespaces, tmpfs,
+uid, rlimits and seccomp per run; ``crf_core.rewards._pool`` says how, and what differs from a fresh sandbox.
+
 Both set, before the untrusted code runs: ``RLIMIT_AS`` = ``memory_mb``, ``RLIMIT_CPU`` = the time
 limit, ``RLIMIT_FSIZE`` = ``max_file_mb``, ``RLIMIT_NOFILE`` = ``max_open_files``,
 ``RLIMIT_NPROC`` = ``max_processes`` (under bubblewrap it counts only the sandbox's processes; a
@@ -51,11 +55,14 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from crf_core.rewards._bubblewrap import BWRAP_PACKAGE, Interpreter, bwrap_command, find_bwrap, interpreter, release_uid
 from crf_core.rewards._seccomp import seccomp_filter
 from crf_core.rewards._tree import remove_tree
+
+if TYPE_CHECKING:
+    from crf_core.rewards._pool import SandboxPool
 
 __all__ = [
     "Isolation",
@@ -197,6 +204,7 @@ def run_python(
     max_open_files: int = 64,
     tmp_mb: int = 64,
     max_stderr_chars: int | None = None,
+    pool: SandboxPool | None = None,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a fresh isolated interpreter and capture its output.
 
@@ -214,6 +222,10 @@ def run_python(
         max_open_files: ``RLIMIT_NOFILE`` (>= 16).
         tmp_mb: size of the writable ``/tmp`` under bubblewrap, in MiB (> 0).
         max_stderr_chars: characters kept from stderr (> 0); defaults to ``max_output_chars``.
+        pool: a ``SandboxPool`` (opt-in, root trainers): run in one of its warm workers, a fresh fork of an
+            interpreter already started inside bubblewrap, with fresh namespaces, tmpfs, uid, rlimits and
+            seccomp per run (``crf_core.rewards._pool`` says what differs); needs ``isolation="bwrap"`` and
+            ``python`` None or the pool's.
 
     Returns:
         ``SandboxResult``; never raises for anything the program does.
@@ -231,12 +243,39 @@ def run_python(
         raise TypeError(f"stdin must be a str or bytes, got {type(stdin).__name__}")
     if extra_env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in extra_env.items()):
         raise TypeError("extra_env must map str to str")
+    if pool is not None:
+        return _in_pool(pool, code, stdin, limits, isolation, python, dict(extra_env or {}))
     require_isolation(isolation, python)
     try:
         interp = interpreter(python)
     except (OSError, subprocess.SubprocessError) as exc:
         raise ValueError(f"python={python!r} cannot be run: {exc}") from exc
     return _execute(code, stdin, limits, interp, isolation, dict(extra_env or {}))
+
+
+def _in_pool(
+    pool: SandboxPool,
+    code: str,
+    stdin: str | bytes,
+    limits: _Limits,
+    isolation: str,
+    python: str | None,
+    extra_env: dict[str, str],
+) -> SandboxResult:
+    from crf_core.rewards._pool import SandboxPool
+
+    if not isinstance(pool, SandboxPool):
+        raise TypeError(f"pool must be a SandboxPool, got {type(pool).__name__}")
+    if isolation != "bwrap":
+        raise ValueError(f"a SandboxPool runs under bubblewrap: pool= needs isolation='bwrap', got {isolation!r}")
+    try:
+        asked = interpreter(python) if python is not None else pool.interpreter
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ValueError(f"python={python!r} cannot be run: {exc}") from exc
+    if asked != pool.interpreter:
+        raise ValueError(f"python={python!r} is not the pool's interpreter {pool.interpreter.path!r}")
+    data = stdin if isinstance(stdin, bytes) else stdin.encode("utf-8", errors="surrogatepass")
+    return pool.execute(code, data, limits, extra_env)
 
 
 def require_isolation(isolation: str, python: str | None = None) -> None:
@@ -430,6 +469,29 @@ class _Stream:
         return text if len(text) <= limit else text[:limit] + "\n[... output truncated ...]"
 
 
+def pump_streams(streams: list[_Stream], watch: list[int], timeout: float) -> None:
+    """Wait up to ``timeout`` for any of ``streams`` or the extra ``watch`` fds, then move what is ready."""
+    readers = [s.fd for s in streams if s.open and s.data is None]
+    writers = [s.fd for s in streams if s.open and s.data is not None]
+    try:
+        ready_r, ready_w, _ = select.select(readers + watch, writers, [], timeout)
+    except (OSError, ValueError):
+        return
+    ready = set(ready_r) | set(ready_w)
+    for stream in streams:
+        if stream.open and stream.fd in ready:
+            stream.pump()
+
+
+def drain_streams(streams: list[_Stream], until: float) -> None:
+    """Close the input pipes and read what is left in the output ones (their writers are dead) until ``until``."""
+    for stream in streams:
+        if stream.data is not None:
+            stream.close()
+    while any(s.open for s in streams) and time.monotonic() < until:
+        pump_streams(streams, [], max(0.0, min(until - time.monotonic(), 0.5)))
+
+
 class _Run:
     """A started sandboxed process and everything that must be released with it (registered on ``stack``)."""
 
@@ -562,25 +624,10 @@ class _Run:
             self._select(min(wait, 0.5))
 
     def _drain(self, until: float) -> None:
-        """Read what is left in the output pipes (their writers are dead: EOF comes at once) within a bound."""
-        for stream in self.streams:
-            if stream.data is not None:
-                stream.close()
-        while any(s.open for s in self.streams) and time.monotonic() < until:
-            self._select(max(0.0, min(until - time.monotonic(), 0.5)))
+        drain_streams(self.streams, until)
 
     def _select(self, timeout: float) -> None:
-        readers = [s.fd for s in self.streams if s.open and s.data is None]
-        writers = [s.fd for s in self.streams if s.open and s.data is not None]
-        watch = [self.pidfd] if self.pidfd is not None else []
-        try:
-            ready_r, ready_w, _ = select.select(readers + watch, writers, [], timeout)
-        except (OSError, ValueError):
-            return
-        ready = set(ready_r) | set(ready_w)
-        for stream in self.streams:
-            if stream.open and stream.fd in ready:
-                stream.pump()
+        pump_streams(self.streams, [self.pidfd] if self.pidfd is not None else [], timeout)
 
     def _exited(self) -> bool:
         if self.pidfd is not None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from crf_core.messages import message_text
 from crf_core.rewards import _harness
+from crf_core.rewards._pool import SandboxPool
 from crf_core.rewards.asserts import Check, UnitTest, Unsplittable, parse_tests
 from crf_core.rewards.extract import extract_code
 from crf_core.rewards.record import MalformedRecord, NotData, Raised, Returned, bounded_repr, parse_record
@@ -84,6 +85,9 @@ class UnitTestReward:
         entry_point_key: dataset column naming the function under test; when present, tests may call
             it as ``candidate(...)`` (HumanEval style).
         max_feedback_chars: bound on each feedback string.
+        warm_pool: score in a ``SandboxPool`` of ``max_workers`` warm bubblewrap workers (opt-in, root trainers
+            only; ``crf_core.rewards._pool`` lists the guarantees and what differs from a fresh sandbox per
+            completion) instead of starting a sandbox per completion; needs ``isolation="bwrap"``.
     """
 
     __name__ = "unit_tests"
@@ -101,6 +105,7 @@ class UnitTestReward:
         unsplittable: Unsplittable = "refuse",
         entry_point_key: str = "entry_point",
         max_feedback_chars: int = 2000,
+        warm_pool: bool = False,
     ) -> None:
         if not (isinstance(max_workers, int) and max_workers >= 1):
             raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
@@ -112,7 +117,12 @@ class UnitTestReward:
             raise ValueError(f"unsplittable must be 'refuse' or 'verdict_in_sandbox', got {unsplittable!r}")
         if not (isinstance(max_feedback_chars, int) and max_feedback_chars >= 200):
             raise ValueError(f"max_feedback_chars must be an int >= 200, got {max_feedback_chars!r}")
+        if not isinstance(warm_pool, bool):
+            raise TypeError(f"warm_pool must be a bool, got {type(warm_pool).__name__}")
+        if warm_pool and isolation != "bwrap":
+            raise ValueError(f"warm_pool=True runs under bubblewrap: it needs isolation='bwrap', got {isolation!r}")
         require_isolation(isolation)  # refuse now, not at the first training step
+        self.pool = SandboxPool(max_workers, preload=[_HARNESS_SOURCE]) if warm_pool else None
         self.tests_key = tests_key
         self.prepend_prompt = prepend_prompt
         self.timeout_s = float(timeout_s)
@@ -152,6 +162,7 @@ class UnitTestReward:
                 max_output_chars=_RECORD_BUDGET_CHARS + _harness.LINE_RESERVE * (len(checks) + 2),
                 max_stderr_chars=_STDERR_CHARS,
                 isolation=self.isolation,
+                pool=self.pool,
             )
             return self._judge(specs, len(checks), result)
         except Exception:  # a bug or an OS failure here must not stop training
