@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
+import re
+import time
 from typing import Any
 
 import pytest
@@ -152,18 +153,38 @@ def test_checks_never_raise_and_refuse_non_data() -> None:
     assert not ident.passes(1)
 
 
-def test_hostile_test_texts_parse_in_bounded_time() -> None:
-    """Nesting, length and operator chains at the size limit are refused or split without blowing up."""
-    hostile = [
-        "assert f(" + "(" * 50_000 + ")" * 50_000 + ") == 1",
-        "assert f() == " + "[" * 30_000 + "]" * 30_000,
-        "assert f() == " + "+".join(["1"] * 30_000),
-        "assert f() == " + "1" * 90_000,
-        "assert f() == '" + "\\x00" * 20_000 + "'",
-    ]
-    for text in hostile:
-        with contextlib.suppress(UnsplittableTestError):
-            parse_test(text)
+# Hostile inputs: a hang is stopped by the timeout mark (the thread method also stops a regex stuck in C),
+# a slow-but-finite run fails the per-input bound. Measured here: each input at most 0.27 s (2 shared cores).
+HOSTILE_SECONDS = 3.0
+
+
+@pytest.mark.timeout(30, method="thread")
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("assert f(" + "(" * 50_000 + ")" * 50_000 + ") == 1", f"is longer than {MAX_TEST_CHARS} characters"),
+        ("assert f() == " + "[" * 30_000 + "]" * 30_000, "is not valid Python: too many nested parentheses"),
+        ("assert f() == " + "+".join(["1"] * 30_000), "is not valid Python: maximum recursion depth exceeded"),
+        ("assert f() == " + "1" * 90_000, "is not valid Python: Exceeds the limit"),
+    ],
+    ids=["deep-calls", "deep-lists", "long-chain", "huge-int"],
+)
+def test_hostile_test_texts_parse_in_bounded_time(text: str, message: str) -> None:
+    """Nesting, length and operator chains at the size limit are refused, naming why, without blowing up."""
+    start = time.perf_counter()
+    with pytest.raises(UnsplittableTestError, match=re.escape(message)):
+        parse_test(text)
+    assert time.perf_counter() - start < HOSTILE_SECONDS
+
+
+@pytest.mark.timeout(30, method="thread")
+def test_hostile_long_string_literal_is_split_in_bounded_time() -> None:
+    start = time.perf_counter()
+    (check,) = parse_test("assert f() == '" + "\\x00" * 20_000 + "'").checks
+    assert time.perf_counter() - start < HOSTILE_SECONDS
+    assert (check.probe, check.kind) == ("f()", "compare")
+    assert check.passes("\x00" * 20_000)
+    assert not check.passes("\x00" * 19_999)
 
 
 def test_extract_code_first_python_block() -> None:
@@ -178,17 +199,27 @@ def test_extract_code_first_python_block() -> None:
         extract_code(None)  # type: ignore[arg-type]
 
 
-def test_extract_code_is_linear_on_hostile_completions() -> None:
-    """Inputs that make a lazy ``.*?`` regex quadratic (hours at this size) return at once."""
-    n = 2_000_000
-    for text in (
-        "```\n" + "\n" * n,
-        "```" * (n // 3),
-        "```text\n" + "```text\n" * (n // 8),
-        "```python" + " " * n,
-        "```x\n" + "a" * n,
-    ):
-        assert isinstance(extract_code(text), str)
+N_HOSTILE = 2_000_000
+
+
+@pytest.mark.timeout(30, method="thread")
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("```\n" + "\n" * N_HOSTILE, "\n" * N_HOSTILE),  # an unclosed block runs to the end
+        ("```" * (N_HOSTILE // 3), "```" * (N_HOSTILE // 3)),  # no fence line: the text as it is
+        ("```text\n" + "```text\n" * (N_HOSTILE // 8), "```text\n" + "```text\n" * (N_HOSTILE // 8)),
+        ("```python" + " " * N_HOSTILE, "```python" + " " * N_HOSTILE),
+        ("```x\n" + "a" * N_HOSTILE, "```x\n" + "a" * N_HOSTILE),
+    ],
+    ids=["unclosed-newlines", "bare-fences", "text-fences", "python-no-newline", "other-language"],
+)
+def test_extract_code_is_linear_on_hostile_completions(text: str, expected: str) -> None:
+    """Inputs that make a lazy ``.*?`` regex quadratic (hours at this size) return at once, with the right code."""
+    start = time.perf_counter()
+    got = extract_code(text)
+    assert time.perf_counter() - start < HOSTILE_SECONDS
+    assert got == expected
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
 pytest.importorskip("crf_replaysim", reason="pair files are read by crf-replaysim ([train] extra)")
@@ -76,6 +77,19 @@ def test_trainer_trains_on_the_shared_fixture(tmp_path: Path) -> None:
     loss = trainer.trace_replay_channel_loss(trainer.model, indices=[0, 1])
     assert loss.requires_grad
     assert float(loss.detach()) > 0
+    # one real step with the trainer's own optimizer: the parameters move and the pairs' loss goes down
+    torch.manual_seed(0)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    optimizer = trainer.create_optimizer()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    moved = [n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p, before[n])]
+    assert moved, "no parameter changed"
+    after = trainer.trace_replay_channel_loss(trainer.model, indices=[0, 1])
+    # measured: 0.6931472 -> 0.6930614 at the default learning rate (all 12 tensors move), ~1400x float32's
+    # resolution at 0.69, and deterministic (the tiny model and the pairs are fixed)
+    assert float(after.detach()) < float(loss.detach()) - 1e-5
 
 
 def test_bad_lines_are_skipped_by_number_or_fail_when_strict(tmp_path: Path, caplog: Any) -> None:

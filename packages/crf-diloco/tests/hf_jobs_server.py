@@ -30,7 +30,7 @@ minutes; here they are whatever the test sets), the Hub's maximum label and time
 ``RateLimit`` headers the Hub may send beside ``Retry-After``.
 
 Test-only routes, under ``/_fake``: ``GET /_fake/jobs`` (every job as submitted, secrets included, with its
-process id and raw log), ``GET /_fake/stats`` (requests served per kind, and how many got a 429), ``POST /_fake/jobs/{id}/kill`` (SIGKILL the job's process group: an OOM kill or a lost node) and
+process id and raw log), ``GET /_fake/stats`` (requests served per kind, how many got a 429 and how many ``flaky_inspect`` 500s were served), ``POST /_fake/jobs/{id}/kill`` (SIGKILL the job's process group: an OOM kill or a lost node) and
 ``POST /_fake/behaviour`` (switch the server into lying or broken modes; see `Behaviour`).
 
 Run: ``python hf_jobs_server.py --token T --user U --workdir DIR``; prints ``http://127.0.0.1:PORT`` once listening.
@@ -349,6 +349,7 @@ class Handler(BaseHTTPRequestHandler):
             if flaky:
                 behaviour.flaky_inspect -= 1
         if flaky:
+            self.server.state.count("flaky_500")
             self._error(500, "Internal Error")
             return True
         if any(job.index in behaviour.garbage_inspect for job in jobs):

@@ -384,6 +384,10 @@ def test_adversarial_transient_server_errors_are_ridden_out(
     jobs_server.behave(flaky_inspect=6)
     results = run_replicas(make_executor(), behave(), world_size=2, uri="memory://x", timeout=60)
     assert all(r.ok for r in results), [r.describe() for r in results]
+    # the six failures were really served, and status reads went on (and were answered) after them
+    stats = jobs_server.stats()
+    assert stats.get("flaky_500") == 6, stats
+    assert stats.get("inspect", 0) + stats.get("list", 0) > 6, stats
 
 
 def test_adversarial_rejected_submission_echoing_secrets_cancels_the_submitted_jobs(

@@ -295,6 +295,8 @@ def test_a_dripping_server_is_cut_at_the_deadline(teacher_server, make_client, c
     with pytest.raises(TeacherRetriesExhausted, match=r"no reply within timeout_s=0\.6"):
         complete(make_client(timeout_s=0.6, max_retries=0))
     assert time.monotonic() - start < 2.0  # 250 bytes x 0.05 s would be 12.5 s
+    assert len(teacher_server.requests) == 1  # the dripping reply was the one served
+    assert not teacher_server.script
     contained()
 
 
@@ -331,6 +333,8 @@ def test_a_gzip_bomb_is_stopped_at_the_cap_in_bounded_memory(teacher_server, mak
     finally:
         tracemalloc.stop()
     assert peak < 8 * 2**20, peak
+    assert len(teacher_server.requests) == 1  # the bomb was served once, and too large is not retried
+    assert not teacher_server.script
     contained()
 
 
@@ -355,7 +359,10 @@ def test_unusable_bodies_fail_the_request_not_the_client(teacher_server, make_cl
     teacher_server.script.extend([entry, entry])
     with pytest.raises(TeacherRetriesExhausted, match=match):
         complete(make_client(max_retries=1))
+    assert len(teacher_server.requests) == 2  # both scripted bodies were served
+    assert not teacher_server.script
     assert complete(make_client()).message["content"].startswith("teacher action")  # the next request is fine
+    assert len(teacher_server.requests) == 3
     contained()
 
 
@@ -532,9 +539,15 @@ def test_failed_points_are_retried_on_resume_and_land_in_input_order(
 
     with pytest.raises(KeyboardInterrupt):
         replay_jsonl(traces, out, client=make_client(max_concurrency=1), max_pending=1, progress=interrupt)
+    assert not teacher_server.script  # the 400 was served ...
+    first = teacher_server.requests[0]["body"]["messages"]
+    asked_before_resume = len(teacher_server.requests)
     summary = replay_jsonl(traces, out, client=make_client())
     assert summary.failed == []
     assert summary.pairs_written == 6
+    # ... to the first point, asked once before the interruption and once more on resume
+    assert [r["body"]["messages"] for r in teacher_server.requests[:asked_before_resume]].count(first) == 1
+    assert [r["body"]["messages"] for r in teacher_server.requests[asked_before_resume:]].count(first) == 1
     assert [(p["trace_id"], p["turn"]) for p in map(json.loads, lines(out))][:2] == [("t0", 1), ("t0", 3)]
     contained()
 

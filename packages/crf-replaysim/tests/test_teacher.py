@@ -140,6 +140,8 @@ def test_retry_after_above_limit_fails_without_waiting(teacher_server, make_clie
     with pytest.raises(TeacherHTTPError, match="asks to wait 3600 s, above max_retry_after_s=300"):
         complete(make_client())
     assert time.monotonic() - start < 2
+    assert len(teacher_server.requests) == 1  # the 503 was served, and not asked again
+    assert not teacher_server.script
 
 
 def test_5xx_are_retried_with_backoff(teacher_server, make_client):
@@ -185,6 +187,8 @@ def test_timeouts_exhaust_retries(teacher_server, make_client):
     teacher_server.script.extend([{"sleep": 3.0, "message": {"role": "assistant", "content": "x"}}] * 2)
     with pytest.raises(TeacherRetriesExhausted, match=r"no reply within timeout_s=0\.2"):
         complete(make_client(timeout_s=0.2, max_retries=1))
+    assert len(teacher_server.requests) == 2  # both slow replies were asked for
+    assert not teacher_server.script
 
 
 def test_malformed_json_is_retried_then_succeeds(teacher_server, make_client):
@@ -199,6 +203,9 @@ def test_malformed_json_every_time_is_reported(teacher_server, make_client):
     with pytest.raises(TeacherRetriesExhausted, match="body is not JSON") as info:
         complete(make_client(max_retries=2))
     assert isinstance(info.value.last_error, TeacherResponseError)
+    assert info.value.attempts == 3
+    assert len(teacher_server.requests) == 3  # the three bad bodies were served
+    assert not teacher_server.script
 
 
 @pytest.mark.parametrize(
@@ -212,6 +219,8 @@ def test_unusable_200_replies_are_reported(teacher_server, make_client, body, ma
     teacher_server.script.extend([{"json": body}] * 2)
     with pytest.raises(TeacherRetriesExhausted, match=match):
         complete(make_client(max_retries=1))
+    assert len(teacher_server.requests) == 2  # both scripted replies were served
+    assert not teacher_server.script
 
 
 def test_an_unusable_action_is_paid_once_and_not_retried(teacher_server, make_client):
@@ -238,6 +247,8 @@ def test_error_object_with_5xx_code_is_retried(teacher_server, make_client):
     teacher_server.script.append({"json": {"error": {"message": "upstream overloaded", "code": 502}}})
     reply = complete(make_client())
     assert reply.message["content"].startswith("teacher action")
+    assert len(teacher_server.requests) == 2  # the scripted error was served, then the retry answered
+    assert not teacher_server.script
 
 
 def test_tool_call_arguments_sent_as_objects_are_encoded(teacher_server, make_client):
