@@ -345,3 +345,25 @@ POOL_ATTACKS = 1 + len(ZYGOTE_KILLERS) + 1 + 2 + 3 + 1  # state, zygote killers,
 
 def test_the_suite_counts_its_attacks() -> None:
     assert POOL_ATTACKS == 13
+
+
+SIGNAL_STATE = (
+    "import signal\n"
+    "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+    "signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "
+    "signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN)"
+)
+
+
+def test_the_program_starts_with_pythons_signal_state_whatever_the_trainer_ignores() -> None:
+    """A trainer run as a shell's background job ignores SIGINT and SIGQUIT, and exec hands ignored signals down:
+    the program still starts as ``python file.py`` does (fresh sandbox and pool, the pool started meanwhile)."""
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM)}
+    try:
+        with SandboxPool(1) as pool:
+            results = [run_python(SIGNAL_STATE, timeout_s=10.0), run_python(SIGNAL_STATE, pool=pool, timeout_s=10.0)]
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    for result in results:
+        assert result.stdout.strip() == "True True True True", result

@@ -419,6 +419,12 @@ def test_ctrl_c_in_normalize_leaves_the_previous_output_and_no_temp_file(tmp_pat
     contained()
 
 
+def _default_sigint() -> None:
+    # A shell's background job (a CI script run with `&`) ignores SIGINT and exec hands that down; the replay
+    # under test must see what a terminal's foreground process gets from Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_replay(server: Any, traces: Path, out: Path, cache: Path, key: str) -> subprocess.Popen[str]:
     args = replay_cli(server, traces, out, "--cache-dir", str(cache), "--concurrency", "2")
     return subprocess.Popen(
@@ -427,6 +433,7 @@ def _start_replay(server: Any, traces: Path, out: Path, cache: Path, key: str) -
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, KEY_ENV: key},
+        preexec_fn=_default_sigint,  # only a signal disposition: safe after fork beside the server threads
     )
 
 

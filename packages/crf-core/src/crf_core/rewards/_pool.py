@@ -65,6 +65,7 @@ from crf_core.rewards._bubblewrap import (
 )
 from crf_core.rewards._seccomp import seccomp_filter
 from crf_core.rewards.sandbox import (
+    RESET_SIGNALS,
     SandboxResult,
     SandboxUnavailableError,
     _child_pidfd,
@@ -354,6 +355,7 @@ except BaseException as _exc:
     os._exit(125)
 _code = compile(_source, _path, "exec") if _code is None else marshal.loads(_code)
 del _ctl, _blob, _buf, _prog, _f, _source, _sock
+#RESET_SIGNALS#
 sys.modules["__main__"] = _main
 try:
     exec(_code, _main.__dict__)
@@ -363,7 +365,7 @@ except BaseException:
     sys.excepthook(*sys.exc_info())
     _finish(1)
 _finish(0)
-"""
+""".replace("#RESET_SIGNALS#\n", RESET_SIGNALS.lstrip("\n"))
 
 
 class SandboxPool:

@@ -85,6 +85,24 @@ _INSTALL_HINT = (
     "or opt into isolation='rlimits' (resource limits only, no namespaces)"
 )
 
+# Run in the program's process before the untrusted code: the signal state ``python file.py`` starts with (SIGINT
+# raises KeyboardInterrupt, SIGPIPE and SIGXFSZ ignored, every other signal at its default), whoever started the
+# trainer. exec hands ignored signals down, and a trainer started in the background by a shell ignores SIGINT and
+# SIGQUIT. Shared with the warm pool's zygote (``_pool``).
+RESET_SIGNALS = r"""
+import signal as _sig
+for _s in _sig.valid_signals():
+    if _s not in (_sig.SIGKILL, _sig.SIGSTOP):
+        try:
+            _sig.signal(_s, _sig.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+_sig.signal(_sig.SIGINT, _sig.default_int_handler)
+for _s in (_sig.SIGPIPE, _sig.SIGXFSZ):
+    _sig.signal(_s, _sig.SIG_IGN)
+del _sig, _s
+"""
+
 # Runs inside the sandbox before the untrusted code. Under bubblewrap it is the pid namespace's init
 # (``--as-pid-1``): it forks the program and reaps every process until the program exits, then exits
 # with its status (128 + N for signal N), which ends the namespace; bubblewrap, its parent, reaps it,
@@ -124,6 +142,7 @@ for _name, _value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOF
         except (ValueError, OSError):
             pass
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+#RESET_SIGNALS#
 if _a[6] >= 0:
     os.setgroups([])
     os.setresgid(_a[6], _a[6], _a[6])
@@ -140,7 +159,7 @@ _main.__file__ = _path
 sys.modules["__main__"] = _main
 sys.argv = [_path]
 exec(_code, _main.__dict__)
-"""
+""".replace("#RESET_SIGNALS#\n", RESET_SIGNALS.lstrip("\n"))
 
 
 class SandboxUnavailableError(RuntimeError):
