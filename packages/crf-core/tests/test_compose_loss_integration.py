@@ -280,7 +280,7 @@ def test_lm_ce_equals_hugging_face_causal_lm_loss(tiny_causal_lm: Any) -> None:
     assert torch.allclose(out.lm_ce, hf, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["sigmoid", "hinge", "ipo", "robust"])
+@pytest.mark.parametrize("variant", ["sigmoid", "hinge", "ipo", "robust", "bco_pair", "aot", "discopop", "sft"])
 def test_dpo_variants_match_crf_distill(tiny_causal_lm: Any, variant: str) -> None:
     inputs = make_inputs()
     out = compose_loss(tiny_causal_lm, inputs, dpo_variant=variant, dpo_beta=0.2, dpo_label_smoothing=0.1)  # type: ignore[arg-type]

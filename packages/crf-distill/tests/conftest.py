@@ -80,7 +80,7 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
     return -(p * torch.log(p)).sum(-1)
 
 
-def dpo(lw, ll, rw, rl, beta, loss_type, eps=0.0, len_w=None, len_l=None):  # type: ignore[no-untyped-def]
+def dpo(lw, ll, rw, rl, beta, loss_type, eps=0.0, len_w=None, len_l=None, tau=0.05):  # type: ignore[no-untyped-def]
     rho_w, rho_l = lw - rw, ll - rl
     if loss_type in ("ipo", "sigmoid_norm"):
         rho_w, rho_l = rho_w / len_w, rho_l / len_l
@@ -102,6 +102,25 @@ def dpo(lw, ll, rw, rl, beta, loss_type, eps=0.0, len_w=None, len_l=None):  # ty
         out = -log_sigmoid(beta * rho_w) - 0.5 * log_sigmoid(-beta * rho_w) - 0.5 * log_sigmoid(-beta * rho_l)
     elif loss_type == "sigmoid_norm":
         out = -log_sigmoid(beta * d)
+    elif loss_type == "bco_pair":
+        out = -log_sigmoid(beta * rho_w) - log_sigmoid(-beta * rho_l)
+    elif loss_type == "sppo_hard":
+        out = (rho_w - 1 / (2 * beta)) ** 2 + (rho_l + 1 / (2 * beta)) ** 2
+    elif loss_type in ("aot", "aot_unpaired"):
+        # ascending ranks matched across the batch (optimal transport of the two 1-D distributions)
+        a, b = (lw - ll, rw - rl) if loss_type == "aot" else (rho_w, rho_l)
+        a = torch.stack([a[i] for i in torch.argsort(a.detach())])
+        b = torch.stack([b[i] for i in torch.argsort(b.detach())])
+        out = -(1 - eps) * log_sigmoid(beta * (a - b)) - eps * log_sigmoid(-beta * (a - b))
+    elif loss_type == "apo_zero":
+        out = (1 - sigmoid(beta * rho_w)) + sigmoid(beta * rho_l)
+    elif loss_type == "apo_down":
+        out = sigmoid(beta * rho_w) + (1 - sigmoid(beta * d))
+    elif loss_type == "discopop":
+        m = sigmoid(beta * d / tau)
+        out = (1 - m) * -log_sigmoid(beta * d) + m * torch.exp(-beta * d)
+    elif loss_type == "sft":
+        return -lw.sum() / len_w.sum()
     else:
         raise AssertionError(loss_type)
     return out.mean()

@@ -17,6 +17,16 @@ CASES = [
     ("exo_pair", 1e-3),
     ("nca_pair", 0.0),
     ("sigmoid_norm", 0.0),
+    ("bco_pair", 0.0),
+    ("sppo_hard", 0.0),
+    ("aot", 0.0),
+    ("aot", 0.2),
+    ("aot_unpaired", 0.0),
+    ("aot_unpaired", 0.2),
+    ("apo_zero", 0.0),
+    ("apo_down", 0.0),
+    ("discopop", 0.0),
+    ("sft", 0.0),
 ]
 
 
@@ -44,7 +54,7 @@ def test_dpo_matches_reference(check_against_ref, ref, gen, rand, loss_type: str
         rejected_lengths=len_l,  # type: ignore[arg-type]
     )
     want = ref.dpo(lw, ll, rw, rl, beta, loss_type, eps, len_w, len_l)
-    check_against_ref(got, want, [lw, ll])
+    check_against_ref(got, want, [lw] if loss_type == "sft" else [lw, ll])  # sft ignores the rejected side
 
 
 def test_dpo_reference_is_detached_and_sigmoid_is_standard_dpo() -> None:
@@ -79,3 +89,51 @@ def test_dpo_errors(gen, rand) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="positive"):
         dpo_loss(*args, loss_type="ipo", chosen_lengths=torch.zeros(3), rejected_lengths=torch.ones(3))
     assert dpo_loss(*(torch.zeros(0) for _ in range(4))).item() == 0.0
+
+
+def test_loss_type_list_is_the_weighted_sum(gen, rand) -> None:  # type: ignore[no-untyped-def]
+    args = [rand(gen, 4, scale=3.0) for _ in range(4)]
+    lengths = {"chosen_lengths": torch.full((4,), 3.0), "rejected_lengths": torch.full((4,), 5.0)}
+    parts = {t: dpo_loss(*args, loss_type=t, **lengths) for t in ("sigmoid", "ipo", "sft")}  # type: ignore[arg-type]
+    got = dpo_loss(*args, loss_type=["sigmoid", "ipo", "sft"], loss_weights=[0.5, 2.0, -1.0], **lengths)
+    assert torch.allclose(got, 0.5 * parts["sigmoid"] + 2.0 * parts["ipo"] - parts["sft"], atol=1e-12)
+    assert torch.allclose(dpo_loss(*args, loss_type=["hinge", "hinge"]), 2 * dpo_loss(*args, loss_type="hinge"))
+    per_pair = dpo_loss(*args, loss_type=["bco_pair", "apo_down"], loss_weights=[1.0, 3.0], reduction="none")
+    assert per_pair.shape == (4,)
+    assert torch.allclose(per_pair.mean(), dpo_loss(*args, loss_type=["bco_pair", "apo_down"], loss_weights=[1, 3]))
+
+
+def test_new_options_errors(gen, rand) -> None:  # type: ignore[no-untyped-def]
+    args = [rand(gen, 3) for _ in range(4)]
+    with pytest.raises(ValueError, match="2 entries but `loss_type` names 3"):
+        dpo_loss(*args, loss_type=["sigmoid", "hinge", "bco_pair"], loss_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="at least one"):
+        dpo_loss(*args, loss_type=[])
+    with pytest.raises(ValueError, match="got 'kto'"):
+        dpo_loss(*args, loss_type=["sigmoid", "kto"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"loss_weights\[1\]"):
+        dpo_loss(*args, loss_type=["sigmoid", "hinge"], loss_weights=[1.0, float("nan")])
+    with pytest.raises(TypeError, match="one per loss type"):
+        dpo_loss(*args, loss_type=["sigmoid"], loss_weights=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="discopop_tau"):
+        dpo_loss(*args, loss_type="discopop", discopop_tau=0.0)
+    with pytest.raises(ValueError, match="chosen_lengths"):
+        dpo_loss(*args, loss_type="sft")
+    with pytest.raises(ValueError, match="recommended 1e-3"):
+        dpo_loss(*args, loss_type=["sigmoid", "exo_pair"])
+    with pytest.raises(ValueError, match="reduction"):
+        dpo_loss(*args, reduction="max")  # type: ignore[arg-type]
+    for i in range(4):
+        for bad in (float("nan"), float("-inf")):
+            broken = [a.clone() for a in args]
+            broken[i][1] = bad
+            with pytest.raises(ValueError, match="NaN or inf"):
+                dpo_loss(*broken, loss_type="aot")
+    with pytest.raises(ValueError, match=r"shape \(P,\)"):
+        dpo_loss(args[0], args[1], args[2][:2], args[3], loss_type="sppo_hard")
+    with pytest.raises(ValueError, match="dimension"):
+        dpo_loss(args[0].reshape(3, 1), args[1], args[2], args[3], loss_type="apo_zero")
+    for t in DPO_LOSS_TYPES:  # zero pairs: a finite 0 for every type
+        z = torch.zeros(0, dtype=torch.float64)
+        out = dpo_loss(z, z, z, z, loss_type=t, label_smoothing=1e-3, chosen_lengths=z, rejected_lengths=z)  # type: ignore[arg-type]
+        assert out.item() == 0.0

@@ -40,10 +40,11 @@ from crf_core.channels import (
 )
 from crf_core.channels._validate import check_unit, check_weight
 from crf_distill import TAIDSchedule, taid_linear_t
+from crf_distill.dpo import DPOLossType
 
 __all__ = ["DPO_VARIANTS", "SDPO_WRAPPERS", "LossComponents", "compose_loss"]
 
-DPOVariant = Literal["sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "sigmoid_norm", "simpo"]
+DPOVariant = Literal[DPOLossType, "simpo"]  # every crf_distill DPO loss type, plus SimPO
 SDPOWrapper = Literal["taid", "entropy_opd"]
 
 
@@ -256,8 +257,10 @@ def compose_loss(
 
     Keyword arguments (the seed's 13, then crf extensions):
         lm_ce_weight, sdpo_weight, dpo_weight: channel weights >= 0.
-        dpo_beta: DPO β. dpo_variant: TRL ``loss_type`` name (``sigmoid``, ``hinge``, ``ipo``, ``robust``,
-            ``exo_pair``, ``nca_pair``, ``sigmoid_norm``) or ``"simpo"``.
+        dpo_beta: DPO β. dpo_variant: a TRL 1.16 ``loss_type`` name (any of ``crf_distill.DPO_LOSS_TYPES``:
+            ``sigmoid``, ``hinge``, ``ipo``, ``robust``, ``exo_pair``, ``nca_pair``, ``sigmoid_norm``, ``bco_pair``,
+            ``sppo_hard``, ``aot``, ``aot_unpaired``, ``apo_zero``, ``apo_down``, ``discopop``, ``sft``) or
+            ``"simpo"``.
         simpo_beta, simpo_gamma: SimPO β and absolute margin γ (used only with ``dpo_variant="simpo"``).
         sdpo_wrapper: ``None`` (generalised JSD), ``"taid"`` (TAID target replaces the teacher inside the
             SDPO divergence; t = 1 is plain SDPO) or ``"entropy_opd"`` (reverse KL + forward KL where the

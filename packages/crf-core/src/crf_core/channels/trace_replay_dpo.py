@@ -2,8 +2,9 @@
 
 Pairs come from crf-replaysim: the teacher's action at a decision point of a recorded agent trace is
 ``chosen``, the student's recorded action ``rejected``. With ``ρ = log π_θ(y|x) − log π_ref(y|x)`` summed over the
-response tokens, the loss is TRL's DPO ``loss_type`` (``crf_distill.dpo_loss``: sigmoid, hinge, ipo, robust,
-exo_pair, nca_pair, sigmoid_norm), mean over pairs; or SimPO (``crf_distill.simpo_loss``, Meng et al. 2024):
+response tokens, the loss is TRL's DPO ``loss_type`` (``crf_distill.dpo_loss``: every TRL 1.16 type, sigmoid,
+hinge, ipo, robust, exo_pair, nca_pair, sigmoid_norm, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
+discopop and sft, or a weighted list of them), mean over pairs; or SimPO (``crf_distill.simpo_loss``, Meng et al. 2024):
 ``−log σ(β_s·(avg_w − avg_l) − γ)`` on length-averaged log-probs, reference-free. ``label_smoothing`` ε applies
 to every variant that has one (sigmoid/cDPO, robust, exo_pair and SimPO).
 
@@ -28,9 +29,30 @@ __all__ = [
     "SequenceBatch",
     "SequenceLogps",
     "TraceReplayDPOChannel",
+    "parse_variant",
 ]
 
 DPO_VARIANTS: tuple[str, ...] = (*DPO_LOSS_TYPES, "simpo")
+
+
+def parse_variant(value: object) -> str | tuple[str, ...]:
+    """``dpo_variant`` as given: one name, a list/tuple of DPO loss types, or a comma-separated string of them."""
+    if isinstance(value, str) and "," in value:
+        value = tuple(part.strip() for part in value.split(","))
+    if isinstance(value, (list, tuple)):
+        names = tuple(value)
+        if not names:
+            raise ValueError(f"dpo_variant must name at least one of {DPO_LOSS_TYPES}, got an empty list")
+        for name in names:
+            if name == "simpo":
+                raise ValueError(
+                    "dpo_variant='simpo' is reference-free and cannot be combined in a list with DPO loss types; "
+                    "use it alone"
+                )
+            check_choice("dpo_variant", name, DPO_LOSS_TYPES)
+        return names[0] if len(names) == 1 else names
+    check_choice("dpo_variant", value, DPO_VARIANTS)
+    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -38,23 +60,40 @@ class PreferenceConfig:
     """The preference loss (validated on construction).
 
     Attributes:
-        variant: a TRL DPO ``loss_type`` name or ``"simpo"``.
+        variant: a TRL DPO ``loss_type`` name or ``"simpo"``; or several DPO loss types (tuple, list or
+            comma-separated string) combined with ``loss_weights`` as TRL does.
         beta: DPO β > 0. label_smoothing: ε in [0, 0.5).
+        loss_weights: one finite weight per loss type of a list variant (default all 1); None for a single type.
+        discopop_tau: τ > 0 of the discopop loss (default 0.05).
         simpo_beta: SimPO β > 0. simpo_gamma: SimPO absolute target margin γ >= 0.
     """
 
-    variant: str = "sigmoid"
+    variant: str | tuple[str, ...] = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_beta: float = 2.0
     simpo_gamma: float = 1.0
+    loss_weights: tuple[float, ...] | None = None
+    discopop_tau: float = 0.05
 
     def __post_init__(self) -> None:
-        check_choice("dpo_variant", self.variant, DPO_VARIANTS)
+        object.__setattr__(self, "variant", parse_variant(self.variant))
         check_number("dpo_beta", self.beta, low=0.0, low_inclusive=False)
         check_number("dpo_label_smoothing", self.label_smoothing, low=0.0, high=0.4999999)
         check_number("simpo_beta", self.simpo_beta, low=0.0, low_inclusive=False)
         check_number("simpo_gamma", self.simpo_gamma, low=0.0)
+        check_number("dpo_discopop_tau", self.discopop_tau, low=0.0, low_inclusive=False)
+        if self.loss_weights is not None:
+            names = self.variant if isinstance(self.variant, tuple) else (self.variant,)
+            if self.variant == "simpo":
+                raise ValueError("dpo_loss_weights applies to DPO loss types, not to dpo_variant='simpo'; unset it")
+            weights = tuple(check_number(f"dpo_loss_weights[{i}]", w) for i, w in enumerate(self.loss_weights))
+            if len(weights) != len(names):
+                raise ValueError(
+                    f"dpo_loss_weights has {len(weights)} entries but dpo_variant names {len(names)} loss type(s) "
+                    f"{names}; give one weight per loss type (or leave dpo_loss_weights unset for all 1)"
+                )
+            object.__setattr__(self, "loss_weights", weights)
 
     @property
     def reference_free(self) -> bool:
@@ -159,7 +198,9 @@ class TraceReplayDPOChannel:
             ref_r,
             beta=cfg.beta,
             loss_type=cfg.variant,  # type: ignore[arg-type]
+            loss_weights=cfg.loss_weights,
             label_smoothing=cfg.label_smoothing,
+            discopop_tau=cfg.discopop_tau,
             chosen_lengths=chosen.length.clamp_min(1.0),
             rejected_lengths=rejected.length.clamp_min(1.0),
         )

@@ -235,13 +235,50 @@ class ComposerConfig(GRPOConfig):
         default="sigmoid",
         metadata={
             "help": "Preference loss: a TRL DPO `loss_type` name (sigmoid, hinge, ipo, robust, exo_pair, nca_pair, "
-            "sigmoid_norm) or 'simpo' (reference-free, length-normalised)."
+            "sigmoid_norm, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft), several of "
+            "them comma-separated (or a list) combined with `dpo_loss_weights`, or 'simpo' (reference-free, "
+            "length-normalised)."
         },
+    )
+    dpo_loss_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "One weight per loss type of a list `dpo_variant` (TRL's `loss_weights`); unset: all 1. The loss "
+            "is the weighted sum of the per-type means."
+        },
+    )
+    dpo_discopop_tau: float = field(
+        default=0.05, metadata={"help": "τ > 0 of dpo_variant='discopop' (TRL's `discopop_tau`; paper default 0.05)."}
+    )
+    # TRL DPOConfig names, accepted as aliases where they cannot collide with a GRPOConfig field. TRL's `beta` and
+    # `loss_type` are NOT aliased: GRPOConfig already owns both (the KL coefficient and the GRPO loss).
+    label_smoothing: float | None = field(
+        default=None, metadata={"help": "Alias of `dpo_label_smoothing` (TRL DPOConfig name)."}
+    )
+    loss_weights: list[float] | None = field(
+        default=None, metadata={"help": "Alias of `dpo_loss_weights` (TRL DPOConfig name)."}
+    )
+    discopop_tau: float | None = field(
+        default=None, metadata={"help": "Alias of `dpo_discopop_tau` (TRL DPOConfig name)."}
+    )
+    ld_alpha: float | None = field(
+        default=None,
+        metadata={"help": "TRL DPOConfig option, not supported by the trace-replay DPO channel; must stay unset."},
+    )
+    f_divergence_type: str = field(
+        default="reverse_kl",
+        metadata={"help": "TRL DPOConfig option; only 'reverse_kl' (standard DPO) is supported."},
+    )
+    use_weighting: bool = field(
+        default=False, metadata={"help": "TRL DPOConfig option (WPO weighting), not supported; must stay False."}
     )
     dpo_beta: float = field(default=0.1, metadata={"help": "DPO β (inverse temperature of the implicit reward)."})
     dpo_label_smoothing: float = field(
         default=0.0,
-        metadata={"help": "ε in [0, 0.5) for the variants that use it: sigmoid (cDPO), robust, exo_pair and SimPO."},
+        metadata={
+            "help": "ε in [0, 0.5) for the variants that use it: sigmoid (cDPO), robust, exo_pair, aot, aot_unpaired "
+            "and SimPO."
+        },
     )
     simpo_beta: float = field(default=2.0, metadata={"help": "SimPO β (scale of the average log-prob margin)."})
     simpo_gamma: float = field(default=1.0, metadata={"help": "SimPO target margin γ (absolute, not γ/β)."})
@@ -271,6 +308,7 @@ class ComposerConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._resolve_trl_dpo_aliases()
         for name in ("grpo_weight", "sdpo_weight", "trace_replay_dpo_weight"):
             check_weight(name, getattr(self, name))
         if self.grpo_weight == self.sdpo_weight == self.trace_replay_dpo_weight == 0:
@@ -327,6 +365,41 @@ class ComposerConfig(GRPOConfig):
             entropy_opd_forward_weight=self.entropy_opd_forward_weight,
         )
 
+    def _resolve_trl_dpo_aliases(self) -> None:
+        """Fold TRL's DPOConfig names into the crf fields; refuse the TRL options crf does not implement."""
+        defaults = {"dpo_label_smoothing": 0.0, "dpo_loss_weights": None, "dpo_discopop_tau": 0.05}
+        for alias, target in (
+            ("label_smoothing", "dpo_label_smoothing"),
+            ("loss_weights", "dpo_loss_weights"),
+            ("discopop_tau", "dpo_discopop_tau"),
+        ):
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            current = getattr(self, target)
+            if current != defaults[target] and current != value:
+                raise ValueError(
+                    f"`{alias}` (TRL's name) is an alias of `{target}`, and both are set to different values "
+                    f"({value!r} vs {current!r}); set only one"
+                )
+            setattr(self, target, value)
+            setattr(self, alias, None)
+        if self.ld_alpha is not None:
+            raise ValueError(
+                "ld_alpha (TRL's LD-DPO length desensitisation) is not supported by the trace-replay DPO channel; "
+                "unset it, or use dpo_variant='sigmoid_norm' / 'ipo' (length-normalised) against verbosity"
+            )
+        if self.f_divergence_type != "reverse_kl":
+            raise ValueError(
+                f"f_divergence_type={self.f_divergence_type!r} is not supported; only 'reverse_kl' (standard DPO) is. "
+                "Leave it at 'reverse_kl', or train with TRL's DPOTrainer for f-DPO"
+            )
+        if self.use_weighting:
+            raise ValueError(
+                "use_weighting (TRL's WPO weighting) needs per-token probabilities the trace-replay DPO channel does "
+                "not keep; set use_weighting=False, or train with TRL's DPOTrainer for WPO"
+            )
+
     def preference_config(self) -> PreferenceConfig:
         """The trace-replay DPO channel's frozen config."""
         return PreferenceConfig(
@@ -335,6 +408,8 @@ class ComposerConfig(GRPOConfig):
             label_smoothing=self.dpo_label_smoothing,
             simpo_beta=self.simpo_beta,
             simpo_gamma=self.simpo_gamma,
+            loss_weights=None if self.dpo_loss_weights is None else tuple(self.dpo_loss_weights),
+            discopop_tau=self.dpo_discopop_tau,
         )
 
     def chunk_plan(self) -> ChunkPlan:
