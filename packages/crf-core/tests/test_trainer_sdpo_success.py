@@ -129,6 +129,9 @@ WEIGHTED = ([1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0])
         ({"sdpo_success_threshold_mode": "relative"}, 0.25, [0.0, 1.0, 0.0, 0.0]),  # ≥ 1.0 × 1.5: row 0 only
         ({"sdpo_success_threshold_mode": "relative", "sdpo_success_reward_threshold": 0.5}, 0.5, [1.0, 1.0, 0.0, 0.0]),
         ({"success_reward_threshold": 1.5}, 0.25, [0.0, 1.0, 0.0, 0.0]),  # TRL's name, TRL's meaning
+        # SRPO routes on the same effective threshold: row 0 (the one success) leaves SDPO, row 1 keeps its demo
+        ({"sdpo_success_threshold_mode": "relative", "sdpo_routing": "srpo"}, 0.25, [0.0, 1.0, 0.0, 0.0]),
+        ({"sdpo_routing": "srpo"}, 0.5, [0.0, 0.0, 0.0, 0.0]),  # absolute 1.0: rows 0 and 1 succeed, go to GRPO
     ],
 )
 def test_success_is_judged_on_the_weighted_reward(
