@@ -29,11 +29,9 @@ def _check_run(outcome: Any, out: Path, printed: str, steps: int, sync_every: in
     assert len(outcome.replicas) == 2
     for r in outcome.replicas:
         assert len(r.history) == steps
-        for channel in CHANNELS:  # SDPO has no signal in a step where no rollout of a group succeeded
-            values = [row.losses[channel] for row in r.history if channel in row.losses]
-            assert values, f"replica {r.rank} never logged {channel}"
-            assert all(math.isfinite(v) for v in values), channel
-        assert all(channel in row.losses for row in r.history for channel in ("grpo", "trace_replay_dpo"))
+        for channel in CHANNELS:  # every step logs every channel: SDPO logs 0.0 in a step without teacher signal
+            values = [row.losses.get(channel) for row in r.history]
+            assert all(v is not None and math.isfinite(v) for v in values), (r.rank, channel, values)
         assert r.rounds_committed == steps // sync_every
         assert r.bytes_written > 0
         assert r.bytes_read > 0

@@ -11,6 +11,8 @@ The config builds the frozen channel configs of ``crf_core.channels`` (:meth:`Co
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -24,6 +26,12 @@ from crf_core.trainer.reprompt import (
     RepromptConfig,
 )
 from crf_core.trainer.sdpo_routing import SDPO_GROUP_WEIGHTS, SDPO_ROUTINGS, SDPOGroupWeight, SDPORouting
+from crf_core.trainer.success import (
+    SUCCESS_THRESHOLD_MODES,
+    SuccessMonitor,
+    SuccessThresholdMode,
+    effective_success_threshold,
+)
 from crf_distill import TAIDSchedule
 
 __all__ = ["TRACE_REPLAY_REFERENCES", "ComposerConfig"]
@@ -175,7 +183,33 @@ class ComposerConfig(GRPOConfig):
     # ----------------------------------------------------------------- SDPO: reprompting
     sdpo_success_reward_threshold: float = field(
         default=1.0,
-        metadata={"help": "A rollout whose total (weighted) reward is ≥ this is a successful demonstration."},
+        metadata={
+            "help": "A rollout is a success (a demonstration for its peers) when its weighted reward, the one GRPO "
+            "uses (sum of reward_weights × rewards), is ≥ this ('absolute' mode, TRL SDPOConfig's "
+            "success_reward_threshold), or ≥ this × sum(reward_weights) ('relative' mode). A NaN reward never is."
+        },
+    )
+    success_reward_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "TRL SDPOConfig's name for sdpo_success_reward_threshold, same meaning; when set it is copied "
+            "there (setting both to different values is an error)."
+        },
+    )
+    sdpo_success_threshold_mode: SuccessThresholdMode = field(
+        default="absolute",
+        metadata={
+            "help": "'absolute': the threshold is in weighted-reward units (TRL). 'relative': it is a fraction in "
+            "(0, 1] of sum(reward_weights), the largest weighted reward when every reward function scores in [0, 1], "
+            "so re-weighting the functions does not move it."
+        },
+    )
+    sdpo_success_warning_steps: int = field(
+        default=10,
+        metadata={
+            "help": "Warn once when the share of successful rollouts stays at 0 (or at 1) for this many generation "
+            "batches in a row (the warning names the threshold and the observed rewards); 0 never warns."
+        },
     )
     sdpo_dont_reprompt_on_self_success: bool = field(
         default=True,
@@ -332,6 +366,7 @@ class ComposerConfig(GRPOConfig):
             )
         if not (isinstance(self.sdpo_max_reprompt_len, int) and self.sdpo_max_reprompt_len > 0):
             raise ValueError(f"sdpo_max_reprompt_len must be a positive int, got {self.sdpo_max_reprompt_len!r}")
+        self._check_success_threshold()
         self.reprompt_config()  # validates the templates and the threshold
         self.sdpo_config()
         self.preference_config()
@@ -350,6 +385,44 @@ class ComposerConfig(GRPOConfig):
                 f"trace_replay_reference='none' only works with dpo_variant='simpo' (reference-free); "
                 f"{self.dpo_variant!r} needs reference log-probs"
             )
+
+    def _check_success_threshold(self) -> None:
+        alias, value = self.success_reward_threshold, self.sdpo_success_reward_threshold
+        for name, number in (("success_reward_threshold", alias), ("sdpo_success_reward_threshold", value)):
+            if number is not None and (
+                isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)
+            ):
+                raise ValueError(f"{name} must be a finite number, got {number!r}")
+        if alias is not None:
+            default = type(self).__dataclass_fields__["sdpo_success_reward_threshold"].default
+            if value not in (default, alias):
+                raise ValueError(
+                    f"success_reward_threshold={alias} (TRL's name) and sdpo_success_reward_threshold={value} "
+                    "disagree; set only one of them"
+                )
+            self.sdpo_success_reward_threshold = value = float(alias)
+        if self.sdpo_success_threshold_mode not in SUCCESS_THRESHOLD_MODES:
+            raise ValueError(
+                f"sdpo_success_threshold_mode must be one of {SUCCESS_THRESHOLD_MODES}, "
+                f"got {self.sdpo_success_threshold_mode!r}"
+            )
+        if self.sdpo_success_threshold_mode == "relative" and not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"sdpo_success_reward_threshold={value} with sdpo_success_threshold_mode='relative' must be a "
+                "fraction in (0, 1] of sum(reward_weights); give a fraction, or use mode 'absolute' for a reward value"
+            )
+        if self.sdpo_success_threshold_mode == "relative" and self.reward_weights is not None:
+            effective_success_threshold(value, "relative", self.reward_weights)  # positive sum of weights
+        steps = self.sdpo_success_warning_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"sdpo_success_warning_steps must be an int ≥ 0 (0 never warns), got {steps!r}")
+
+    def success_monitor(self, reward_weights: Sequence[float]) -> SuccessMonitor:
+        """The success rule on ``reward_weights`` (the trainer's), as a :class:`SuccessMonitor`."""
+        mode = self.sdpo_success_threshold_mode
+        threshold = effective_success_threshold(self.sdpo_success_reward_threshold, mode, reward_weights)
+        setting = f"sdpo_success_reward_threshold={self.sdpo_success_reward_threshold:g} ({mode})"
+        return SuccessMonitor(threshold, setting, self.sdpo_success_warning_steps)
 
     def sdpo_config(self) -> SDPOConfig:
         """The SDPO channel's frozen config (raises ``ValueError`` naming a bad field)."""

@@ -17,8 +17,11 @@ The same chunked scoring serves TRL's no-grad old/reference log-prob passes: the
 auxiliary losses use TRL's own path (a warning says why).
 
 Metrics (``self._metrics``, averaged per logging step like TRL's, gathered over ranks): ``grpo``,
-``sdpo_jsd`` and ``trace_replay_dpo`` (each channel's per-micro-batch value before weight and GA scaling),
-``taid_t``, ``self_distillation/*`` (reprompting fractions) and ``trace_replay_dpo/*`` (implicit rewards).
+``sdpo_jsd`` and ``trace_replay_dpo`` (each channel's per-micro-batch value before weight and GA scaling;
+``sdpo_jsd`` is 0.0 for a micro-batch without teacher signal), ``taid_t``, ``self_distillation/*`` (reprompting
+fractions) and ``trace_replay_dpo/*`` (implicit rewards). SDPO success is judged on the weighted reward GRPO uses
+(``crf_core.trainer.success``). At construction one INFO line names the channels on, their weights and the
+parameter bytes of the model copies they hold (``crf_core.trainer.startup``).
 
 Data flow: ``_calculate_rewards`` is wrapped to keep each generation batch's prompts, completions and
 gathered rewards; reward functions report feedback through TRL's ``log_extra(sdpo_feedback_key, …)``,
@@ -36,7 +39,7 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -67,6 +70,7 @@ from crf_core.trainer.config import ComposerConfig
 from crf_core.trainer.pairs import PairCursor, TokenizedPair, check_pair_records, collate_pairs, tokenize_pairs
 from crf_core.trainer.reprompt import PromptLike, build_reprompts
 from crf_core.trainer.sdpo_routing import route_samples
+from crf_core.trainer.startup import ChannelCost, parameter_bytes, startup_line
 from crf_core.trainer.state import ChannelState
 from crf_core.trainer.teacher import EmaTeacher
 from crf_distill import RowTerm
@@ -160,6 +164,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._warned: set[str] = set()
 
         self.sdpo = SDPOChannel(args.sdpo_config()) if args.sdpo_weight > 0 else None
+        self.success = args.success_monitor(self.reward_weights.tolist()) if self.sdpo is not None else None
+        if self.success is not None:  # both the reprompts and the routing use the effective threshold
+            self._reprompt_config = replace(self._reprompt_config, success_reward_threshold=self.success.threshold)
         self.taid_schedule = args.taid_schedule() if self.sdpo is not None else None
         self._taid_losses: list[float] = []
         self.sdpo_teacher: EmaTeacher | None = None
@@ -174,6 +181,55 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._trace_replay_ref_model = trace_replay_ref_model
         self.trace_replay_reference = "none"
         self._setup_trace_replay(trace_replay_pairs)
+        self.channel_costs, off = self._channel_costs()
+        if self.accelerator.is_main_process:
+            logger.info(startup_line(self.channel_costs, off))
+
+    def _channel_costs(self) -> tuple[list[ChannelCost], list[str]]:
+        """The channels that are on, with the model copy each holds (its parameter bytes), and those that are off."""
+        cfg = self.composer_args
+        costs: list[ChannelCost] = []
+        off: list[str] = []
+        ref: Any = getattr(self, "ref_model", None)
+        if cfg.grpo_weight > 0:
+            if ref is not None:
+                costs.append(
+                    ChannelCost("grpo", cfg.grpo_weight, f"reference model, beta={self.beta:g}", parameter_bytes(ref))
+                )
+            elif self.beta != 0:
+                costs.append(
+                    ChannelCost("grpo", cfg.grpo_weight, "reference = the policy with its adapter off, no copy")
+                )
+            else:
+                costs.append(ChannelCost("grpo", cfg.grpo_weight, "beta=0, no reference model"))
+        else:
+            off.append("grpo")
+        if self.sdpo is not None:
+            if self.sdpo_teacher is not None:
+                teacher = ChannelCost(
+                    "sdpo_jsd", cfg.sdpo_weight, "EMA teacher", parameter_bytes(self.sdpo_teacher.module)
+                )
+            else:
+                teacher = ChannelCost("sdpo_jsd", cfg.sdpo_weight, "live teacher = the policy, no copy")
+            costs.append(teacher)
+        else:
+            off.append("sdpo_jsd")
+        if cfg.trace_replay_dpo_weight > 0:
+            reference = self.trace_replay_reference
+            if reference == "ref_model":
+                model: Any = self._trace_replay_ref_model or ref
+                if model is ref and cfg.grpo_weight > 0:
+                    dpo = ChannelCost("trace_replay_dpo", cfg.trace_replay_dpo_weight, "shares GRPO's reference model")
+                else:
+                    dpo = ChannelCost(
+                        "trace_replay_dpo", cfg.trace_replay_dpo_weight, "reference model", parameter_bytes(model)
+                    )
+            else:
+                dpo = ChannelCost("trace_replay_dpo", cfg.trace_replay_dpo_weight, f"reference '{reference}', no copy")
+            costs.append(dpo)
+        else:
+            off.append("trace_replay_dpo")
+        return costs, off
 
     # ------------------------------------------------------------------ small helpers
     def _mode(self) -> str:
@@ -207,6 +263,20 @@ class ComposerReplicationTrainer(GRPOTrainer):
         mean = float(finite.mean()) if finite.numel() else math.nan
         self._metrics[mode][name].append(mean)
         return mean
+
+    def _log_sdpo(self, mode: str, loss: torch.Tensor | None) -> float:
+        """Log ``sdpo_jsd``: the ranks' mean loss, a rank without teacher signal counting 0.0 (the loss it adds,
+        as TRL's SDPOTrainer logs it; never NaN for want of a signal). Returns the mean over the ranks that had a
+        signal (NaN when none had), which TAID's schedule follows."""
+        local = torch.tensor(
+            [[0.0 if loss is None else float(loss.detach()), float(loss is not None)]],
+            dtype=torch.float32,
+            device=self.accelerator.device,
+        )
+        gathered = self.accelerator.gather(local).reshape(-1, 2)
+        self._metrics[mode]["sdpo_jsd"].append(float(gathered[:, 0].mean()))
+        signalled = gathered[gathered[:, 1] > 0, 0]
+        return float(signalled.mean()) if signalled.numel() else math.nan
 
     # ------------------------------------------------------------------ generation-side hooks
     def _log_completion_extra(self, column: str, values: list[Any]) -> None:
@@ -271,8 +341,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
         for name, value in batch.metrics.items():
             self._metrics[mode][f"self_distillation/{name}"].append(value)
         cfg = self.composer_args
+        assert self.success is not None
+        if mode == "train":
+            warning = self.success.observe(rewards.tolist())
+            if warning is not None and self.accelerator.is_main_process:
+                logger.warning(warning)
         routing = route_samples(
-            rewards.tolist(), group, cfg.sdpo_success_reward_threshold, cfg.sdpo_routing, cfg.sdpo_group_weight
+            rewards.tolist(), group, self.success.threshold, cfg.sdpo_routing, cfg.sdpo_group_weight
         )
         start = self.accelerator.process_index * n_local
         local = batch.reprompts[start : start + n_local]
@@ -414,7 +489,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             terms.append(cfg.grpo_weight * grpo)
         if self.sdpo is not None:
             sdpo = None if sdpo_step is None else self._sdpo_loss(model, inputs, *sdpo_step)
-            value = self._log_channel(mode, "sdpo_jsd", math.nan if sdpo is None else float(sdpo.detach()))
+            value = self._log_sdpo(mode, sdpo)
             if mode == "train" and self.taid_schedule is not None:
                 self._metrics[mode]["taid_t"].append(self.taid_schedule.t)
                 if not math.isnan(value):
