@@ -51,6 +51,32 @@ def tiny_causal_lm(make_tiny_causal_lm: Callable[..., Any]) -> Any:
 
 
 @pytest.fixture
+def tiny_config() -> Callable[..., Any]:
+    """``tiny_config(output_dir, **overrides)``: the ``ComposerConfig`` of the tiny trainer tests (one CPU step of
+    4 rollouts, 2 per group, 8 tokens; nothing saved or reported; SDPO on the top 8); overrides win."""
+    pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
+    from crf_core.trainer import ComposerConfig
+
+    def make(output_dir: Path, **overrides: Any) -> Any:
+        settings: dict[str, Any] = {
+            "output_dir": str(output_dir),
+            "per_device_train_batch_size": 4,
+            "num_generations": 2,
+            "max_completion_length": 8,
+            "max_steps": 1,
+            "report_to": [],
+            "use_cpu": True,
+            "save_strategy": "no",
+            "disable_tqdm": True,
+            "seed": 0,
+            "sdpo_top_k": 8,
+        }
+        return ComposerConfig(**{**settings, **overrides})
+
+    return make
+
+
+@pytest.fixture
 def bwrap() -> None:
     """Require a usable bubblewrap: skip (naming the Debian package) outside CI, fail when ``CI=true``."""
     from crf_core.rewards import bubblewrap_problem

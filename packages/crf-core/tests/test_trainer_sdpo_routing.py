@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,11 @@ def test_bad_arguments_name_the_field(kwargs: dict[str, Any], message: str) -> N
 
 
 # ----------------------------------------------------------------------------------------------- in the trainer
-def _trainer(tmp_path: Path, **overrides: Any) -> Any:
+def _trainer(tiny_config: Callable[..., Any], tmp_path: Path, **overrides: Any) -> Any:
     pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
     from datasets import Dataset
 
-    from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
+    from crf_core.trainer import ComposerReplicationTrainer
     from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     def half_success(completions: list[str], **kwargs: Any) -> list[float]:
@@ -83,18 +84,8 @@ def _trainer(tmp_path: Path, **overrides: Any) -> Any:
         return [float(i % 2) for i in range(len(completions))]
 
     tokenizer = build_char_tokenizer()
-    config = ComposerConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        max_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        sdpo_top_k=8,
+    config = tiny_config(
+        tmp_path,
         sdpo_environment_feedback_only_without_solution=False,
         **overrides,
     )
@@ -115,10 +106,10 @@ def _batch(trainer: Any) -> dict[str, Any]:
     return trainer._generate_and_score_completions([{"prompt": "def add(a, b):\n    return"}] * 4)
 
 
-def test_sc_sdpo_scales_the_sdpo_loss_by_the_group_weight(tmp_path: Path) -> None:
+def test_sc_sdpo_scales_the_sdpo_loss_by_the_group_weight(tiny_config: Callable[..., Any], tmp_path: Path) -> None:
     """Every group is half solved (weight √¼ = ½) and only failures have a signal, so the SC-SDPO loss is ½ of
     SDPO's on the same batch (the mean still counts the same tokens)."""
-    trainer = _trainer(tmp_path, sdpo_group_weight="success_variance")
+    trainer = _trainer(tiny_config, tmp_path, sdpo_group_weight="success_variance")
     batch = _batch(trainer)
     assert batch["sdpo_mask"].tolist() == [0.5, 0.0, 0.5, 0.0]
     weighted = trainer.sdpo_channel_loss(trainer.model, batch)
@@ -127,10 +118,10 @@ def test_sc_sdpo_scales_the_sdpo_loss_by_the_group_weight(tmp_path: Path) -> Non
     assert float(weighted) == pytest.approx(0.5 * float(plain), rel=1e-6)
 
 
-def test_srpo_routes_failures_to_sdpo_and_successes_to_grpo(tmp_path: Path) -> None:
+def test_srpo_routes_failures_to_sdpo_and_successes_to_grpo(tiny_config: Callable[..., Any], tmp_path: Path) -> None:
     import torch
 
-    trainer = _trainer(tmp_path, sdpo_routing="srpo")
+    trainer = _trainer(tiny_config, tmp_path, sdpo_routing="srpo")
     batch = _batch(trainer)
     # failures (even rows) keep their SDPO signal and lose their GRPO advantage; successes the reverse
     assert batch["sdpo_mask"].tolist() == [1.0, 0.0, 1.0, 0.0]
@@ -139,7 +130,7 @@ def test_srpo_routes_failures_to_sdpo_and_successes_to_grpo(tmp_path: Path) -> N
     assert advantages[2] == 0
     assert bool((advantages[1::2] > 0).all())
 
-    plain = _trainer(tmp_path / "plain")
+    plain = _trainer(tiny_config, tmp_path / "plain")
     plain_batch = _batch(plain)
     torch.testing.assert_close(plain_batch["advantages"][1::2], advantages[1::2])
     assert bool((plain_batch["advantages"][0::2] < 0).all())

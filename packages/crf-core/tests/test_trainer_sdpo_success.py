@@ -72,26 +72,22 @@ def _reward(name: str, values: Sequence[float]) -> Callable[..., list[float]]:
     return reward
 
 
-def _trainer(tmp_path: Path, rewards: Sequence[Sequence[float]], model: Any = None, **overrides: Any) -> Any:
+def _trainer(
+    tiny_config: Callable[..., Any],
+    tmp_path: Path,
+    rewards: Sequence[Sequence[float]],
+    model: Any = None,
+    **overrides: Any,
+) -> Any:
     pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
     from datasets import Dataset
 
-    from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
+    from crf_core.trainer import ComposerReplicationTrainer
     from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_char_tokenizer()
-    config = ComposerConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        max_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        sdpo_top_k=8,
+    config = tiny_config(
+        tmp_path,
         **overrides,
     )
     return ComposerReplicationTrainer(
@@ -135,9 +131,9 @@ WEIGHTED = ([1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0])
     ],
 )
 def test_success_is_judged_on_the_weighted_reward(
-    tmp_path: Path, overrides: dict[str, Any], fraction: float, mask: list[float]
+    tiny_config: Callable[..., Any], tmp_path: Path, overrides: dict[str, Any], fraction: float, mask: list[float]
 ) -> None:
-    trainer = _trainer(tmp_path, WEIGHTED, reward_weights=[1.0, 0.5], **overrides)
+    trainer = _trainer(tiny_config, tmp_path, WEIGHTED, reward_weights=[1.0, 0.5], **overrides)
     batch = _batch(trainer)
     assert _success_fraction(trainer) == fraction
     # a rollout has a teacher signal when a *peer* of its group succeeded (no feedback here)
@@ -149,9 +145,9 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_rewards_near_1_1_all_succeed_at_the_default_and_the_warning_fires_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    trainer = _trainer(tmp_path, [[1.1, 1.05, 1.12, 1.08]], sdpo_success_warning_steps=2)
+    trainer = _trainer(tiny_config, tmp_path, [[1.1, 1.05, 1.12, 1.08]], sdpo_success_warning_steps=2)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for _ in range(4):
             _batch(trainer)
@@ -164,10 +160,14 @@ def test_rewards_near_1_1_all_succeed_at_the_default_and_the_warning_fires_once(
 
 
 def test_rewards_near_1_1_split_at_threshold_1_1_and_nothing_is_warned(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     trainer = _trainer(
-        tmp_path, [[1.1, 1.05, 1.12, 1.08]], sdpo_success_reward_threshold=1.1, sdpo_success_warning_steps=2
+        tiny_config,
+        tmp_path,
+        [[1.1, 1.05, 1.12, 1.08]],
+        sdpo_success_reward_threshold=1.1,
+        sdpo_success_warning_steps=2,
     )
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for _ in range(4):
@@ -177,10 +177,10 @@ def test_rewards_near_1_1_split_at_threshold_1_1_and_nothing_is_warned(
 
 
 def test_weights_1_and_half_none_succeed_and_the_warning_names_threshold_and_range(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The issue's case: reward_weights=[1, 0.5], the first reward 0 and the second 1 -> weighted 0.5 < 1."""
-    trainer = _trainer(tmp_path, [[0.0], [1.0]], reward_weights=[1.0, 0.5], sdpo_success_warning_steps=3)
+    trainer = _trainer(tiny_config, tmp_path, [[0.0], [1.0]], reward_weights=[1.0, 0.5], sdpo_success_warning_steps=3)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for _ in range(5):
             _batch(trainer)
@@ -191,6 +191,7 @@ def test_weights_1_and_half_none_succeed_and_the_warning_names_threshold_and_ran
     assert "observed weighted rewards [0.5, 0.5]" in found[0]
     assert "sdpo_success_threshold_mode='relative'" in found[0]
     relative = _trainer(
+        tiny_config,
         tmp_path / "rel",
         [[0.0], [1.0]],
         reward_weights=[1.0, 0.5],
@@ -202,8 +203,12 @@ def test_weights_1_and_half_none_succeed_and_the_warning_names_threshold_and_ran
 
 
 @pytest.mark.parametrize("grpo_weight", [1.0, 0.0])
-def test_a_step_without_teacher_signal_logs_zero_and_a_finite_loss(tmp_path: Path, grpo_weight: float) -> None:
-    trainer = _trainer(tmp_path, [[0.0]], grpo_weight=grpo_weight)  # nobody succeeds, no feedback: no signal
+def test_a_step_without_teacher_signal_logs_zero_and_a_finite_loss(
+    tiny_config: Callable[..., Any], tmp_path: Path, grpo_weight: float
+) -> None:
+    trainer = _trainer(
+        tiny_config, tmp_path, [[0.0]], grpo_weight=grpo_weight
+    )  # nobody succeeds, no feedback: no signal
     batch = _batch(trainer)
     assert batch["sdpo_mask"].sum() == 0
     loss = trainer.compute_loss(trainer.model, batch)
@@ -212,7 +217,7 @@ def test_a_step_without_teacher_signal_logs_zero_and_a_finite_loss(tmp_path: Pat
     logged = trainer._metrics["train"]["sdpo_jsd"]
     assert logged == [0.0]
 
-    solved = _trainer(tmp_path / "solved", [[1.0]], grpo_weight=grpo_weight)  # every peer a demonstration
+    solved = _trainer(tiny_config, tmp_path / "solved", [[1.0]], grpo_weight=grpo_weight)  # every peer a demonstration
     solved_batch = _batch(solved)
     assert bool(solved_batch["sdpo_mask"].all())
     assert math.isfinite(float(solved.compute_loss(solved.model, solved_batch)))
@@ -229,14 +234,17 @@ def _bytes(module: Any) -> int:
 
 
 def test_startup_line_names_each_channel_its_weight_and_the_ema_and_reference_bytes(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+    tiny_config: Callable[..., Any],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     saved = tmp_path / "policy"  # TRL loads its reference model (beta != 0) from the policy's path
     build_tiny_causal_lm(build_char_tokenizer(), hidden_size=32, num_layers=1, num_heads=2).save_pretrained(saved)
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        trainer = _trainer(tmp_path, [[1.0]], model=str(saved), beta=0.04, sdpo_weight=0.5)
+        trainer = _trainer(tiny_config, tmp_path, [[1.0]], model=str(saved), beta=0.04, sdpo_weight=0.5)
     lines = _startup(caplog)
     assert len(lines) == 1, lines
     ema, ref = _bytes(trainer.sdpo_teacher.module), _bytes(trainer.ref_model)
@@ -254,7 +262,7 @@ def test_startup_line_names_each_channel_its_weight_and_the_ema_and_reference_by
 
 
 def test_startup_line_counts_the_actual_dtype_and_names_copy_free_channels(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     import torch
 
@@ -262,19 +270,19 @@ def test_startup_line_counts_the_actual_dtype_and_names_copy_free_channels(
 
     half = build_tiny_causal_lm(build_char_tokenizer(), hidden_size=32, num_layers=1, num_heads=2).to(torch.bfloat16)
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        trainer = _trainer(tmp_path, [[1.0]], model=half)
+        trainer = _trainer(tiny_config, tmp_path, [[1.0]], model=half)
     assert trainer.sdpo_teacher.module.dtype == torch.bfloat16
     numel = sum(p.numel() for p in half.parameters())
     assert f"sdpo_jsd ×1 (EMA teacher: {2 * numel} B (" in _startup(caplog)[0]  # bf16: 2 bytes a parameter
     assert "grpo ×1 (beta=0, no reference model)" in _startup(caplog)[0]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        _trainer(tmp_path / "live", [[1.0]], sdpo_teacher="live")
+        _trainer(tiny_config, tmp_path / "live", [[1.0]], sdpo_teacher="live")
     assert "sdpo_jsd ×1 (live teacher = the policy, no copy)" in _startup(caplog)[0]
     assert "extra model memory 0 B" in _startup(caplog)[0]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        _trainer(tmp_path / "off", [[1.0]], sdpo_weight=0.0)
+        _trainer(tiny_config, tmp_path / "off", [[1.0]], sdpo_weight=0.0)
     assert "off sdpo_jsd, trace_replay_dpo" in _startup(caplog)[0]
 
 
@@ -310,7 +318,9 @@ def test_bad_success_settings_are_rejected_with_the_fix(tmp_path: Path, kwargs: 
         ComposerConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
 
 
-def test_relative_threshold_uses_the_trainers_weights_when_none_are_given(tmp_path: Path) -> None:
+def test_relative_threshold_uses_the_trainers_weights_when_none_are_given(
+    tiny_config: Callable[..., Any], tmp_path: Path
+) -> None:
     """reward_weights=None means one per reward function (TRL); the trainer scales by their sum."""
-    trainer = _trainer(tmp_path, [[1.0], [1.0]], sdpo_success_threshold_mode="relative")
+    trainer = _trainer(tiny_config, tmp_path, [[1.0], [1.0]], sdpo_success_threshold_mode="relative")
     assert trainer.success.threshold == 2.0  # 1.0 × (1 + 1)
