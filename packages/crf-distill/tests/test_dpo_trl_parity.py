@@ -4,11 +4,12 @@ TRL's loss lives inside a trainer method that runs the model forward. The test c
 minimal stand-in for the trainer whose "model" returns chosen per-token log-probs we control (zero outside the
 completion, as TRL's fused head yields), with precomputed reference log-probs, so TRL's loss is a function of
 the same four sequence log-probs crf's ``dpo_loss`` receives. Values and gradients (wrt the per-token
-log-probs) must agree at float64 tolerance. Skipped when trl is not importable.
+log-probs) must agree at float64 tolerance. Skipped when trl is not importable or older than 1.16.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -18,6 +19,12 @@ import torch
 from crf_distill import DPO_LOSS_TYPES, dpo_loss
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer", reason="trl is not installed (parity with TRL's DPO loss)")
+_TRL = importlib.metadata.version("trl")
+if tuple(int(part) for part in _TRL.split(".")[:2]) < (1, 16):  # Python 3.10 resolves an older TRL
+    pytest.skip(
+        f"the stand-in trainer follows TRL 1.16's DPOTrainer._compute_loss; this interpreter has trl {_TRL}",
+        allow_module_level=True,
+    )
 
 P, T = 5, 9  # pairs, sequence length (first column is prompt)
 BETA = 0.3
