@@ -105,6 +105,11 @@ def test_ray_executor_timeout_cancels_task_and_stops_its_process(executor: Any, 
     handles = executor.launch_replicas(
         behave("--pidfile-dir", str(pids), "--sleep", "60"), world_size=1, uri=str(tmp_path)
     )
+    # The timeout under test is the replica's: wait until its process runs (a loaded machine starts Ray workers
+    # in seconds; a task still queued at the deadline is cancelled without a process, another path).
+    deadline = time.monotonic() + 60
+    while not (pids / "rank0.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     start = time.monotonic()
     (result,) = executor.collect(handles, timeout=3.0)
     assert time.monotonic() - start < 30
