@@ -364,7 +364,7 @@ def test_modal_executor_cancels_the_others_when_one_fails(
 def test_modal_executor_timeout_and_terminate(
     session: ThreadSession, make_executor: Callable[..., ModalExecutor]
 ) -> None:
-    executor = make_executor()
+    executor = make_executor(cancel_grace_s=60.0)  # a cancelled local container ends in seconds, slower under load
     handles = executor.launch_replicas(
         behave("--fail-rank", "1", "--fail-sleep", "120"), world_size=2, uri="memory://m"
     )
