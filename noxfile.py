@@ -200,7 +200,8 @@ def workspace(session: nox.Session) -> None:
     covered package by package by `tests`). With the examples group, so the main job's CI-sized run (which needs
     every package and matplotlib) runs here."""
     install(session, None, [], groups=("test", "examples"))
-    run_pytest(session, _tests_dirs(PACKAGES), workers=SUITE_WORKERS)
+    docs_examples = str(ROOT / "tests" / "test_docs_python.py")  # the docs' python blocks need every package
+    run_pytest(session, [*_tests_dirs(PACKAGES), docs_examples], workers=SUITE_WORKERS)
 
 
 @nox.session(python=CI_PYTHON, tags=["ci"])

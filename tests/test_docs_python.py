@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+for _module in ("torch", "crf_core", "crf_distill", "crf_diloco", "crf_replaysim", "crf_primerl"):
+    pytest.importorskip(_module, reason=f"the docs' examples need {_module}: run with the workspace (nox -s workspace)")
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = sorted(ROOT.glob("docs/**/*.md"))
 PYTHON_FENCES = ("python", "py", "python3")
