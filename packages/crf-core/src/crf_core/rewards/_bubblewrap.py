@@ -45,6 +45,7 @@ BWRAP_PACKAGE = "bubblewrap"
 SANDBOX_UID_BASE = 1_900_000_000  # host ids no account uses: what untrusted code runs as when the trainer is root
 SANDBOX_UIDS = 1024  # concurrent sandboxes of one root trainer process
 SHM_BYTES = 16 << 20  # the private /dev/shm (POSIX semaphores and shared memory of multiprocessing)
+SANDBOX_DIR = "/tmp"  # inside the sandbox: its writable tmpfs and working directory (the program is main.py there)
 _USR_LINKS = ("/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin")
 _CLONE_NEWUSER = 0x10000000
 _USERNS_HELPER = f"""
@@ -225,8 +226,8 @@ def _filesystem(python: Interpreter, tmp_bytes: int) -> tuple[str, ...]:
     argv += [
         "--proc", "/proc", "--dev", "/dev",
         "--perms", "1777", "--size", str(min(tmp_bytes, SHM_BYTES)), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
-        "--remount-ro", "/", "--chdir", "/tmp",
+        "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", SANDBOX_DIR,
+        "--remount-ro", "/", "--chdir", SANDBOX_DIR,
     ]  # fmt: skip
     return tuple(argv)
 

@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from crf_core.rewards._bubblewrap import (
+    SANDBOX_DIR,
     SHM_BYTES,
     Interpreter,
     acquire_uid,
@@ -401,7 +402,7 @@ class SandboxPool:
             for source in preload:
                 with contextlib.suppress(SyntaxError, ValueError):
                     self._preloaded[source] = marshal.dumps(
-                        compile(source, "/tmp/main.py", "exec", dont_inherit=True, optimize=0)
+                        compile(source, f"{SANDBOX_DIR}/main.py", "exec", dont_inherit=True, optimize=0)
                     )
         self.workers = workers
         self._cond = threading.Condition()
