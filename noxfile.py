@@ -293,7 +293,10 @@ def wheels(session: nox.Session) -> None:
         extras = ",".join(_extras(package))
         target = f"{wheel}[{extras}]" if extras else str(wheel)
         # Siblings come from dist/ only (find-links); everything else from the registry, as a user would get it.
-        session.run_install(*pip, "--find-links", str(dist), target, "-r", str(test_req), external=True)
+        # uv caches a find-links wheel by its URL and version: a checkout at the same path (CI's) would otherwise
+        # install the wheel an earlier run built there, so our own packages are always read afresh.
+        fresh = [arg for p in PACKAGES for arg in ("--refresh-package", p)]
+        session.run_install(*pip, *fresh, "--find-links", str(dist), target, "-r", str(test_req), external=True)
         probe = f"import {package.replace('-', '_')} as m; print(m.__name__, m.__version__, m.__file__)"
         session.run(py, "-c", probe, external=True)
         REPORTS.mkdir(exist_ok=True)

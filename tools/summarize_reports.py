@@ -1,4 +1,5 @@
-"""Print one line per nox session from the pytest JUnit reports under a folder, then the totals.
+"""Print one line per nox session from the pytest JUnit reports under a folder, the totals, then each session's
+failing tests (at most `SHOWN` each, with the first line of the failure's message).
 
 Usage: python tools/summarize_reports.py .nox-reports
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+SHOWN = 10
 
 
 def counts(report: Path) -> tuple[int, int, int]:
@@ -22,6 +25,16 @@ def counts(report: Path) -> tuple[int, int, int]:
     return tests - failed - skipped, failed, skipped
 
 
+def failures(report: Path) -> list[str]:
+    """`classname::name: message` of each failed or errored test case in one JUnit XML file."""
+    out = []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        for bad in (*case.findall("failure"), *case.findall("error")):
+            message = (bad.get("message") or bad.text or "").strip().splitlines()
+            out.append(f"{case.get('classname')}::{case.get('name')}: {message[0][:200] if message else ''}")
+    return out
+
+
 def main(folder: str) -> int:
     reports = sorted(Path(folder).glob("*.xml"))
     if not reports:
@@ -34,6 +47,12 @@ def main(folder: str) -> int:
         total = [a + b for a, b in zip(total, row, strict=True)]
         print(f"{report.stem:<{width}}  {row[0]:>5} passed  {row[1]:>3} failed  {row[2]:>4} skipped")
     print(f"{total[0]} passed, {total[1]} failed, {total[2]} skipped")
+    for report in reports:
+        failed = failures(report)
+        for line in failed[:SHOWN]:
+            print(f"FAILED [{report.stem}] {line}")
+        if len(failed) > SHOWN:
+            print(f"FAILED [{report.stem}] ... and {len(failed) - SHOWN} more")
     return 0 if total[1] == 0 else 1
 
 

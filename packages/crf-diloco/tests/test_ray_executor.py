@@ -33,7 +33,13 @@ def first_json_line(result: ReplicaResult) -> dict:
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'crf-diloco[ray]')")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Started as from a background shell job (CI's): SIGINT ignored, which its raylet and workers inherit, and
+    # through which a plain `ray.cancel` would no longer reach a running task (the executor re-arms it).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         yield ray
     finally:

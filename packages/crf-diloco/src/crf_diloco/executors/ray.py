@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,20 @@ def _import_ray() -> Any:
     return ray
 
 
+def _accept_interrupts() -> None:
+    """Let ``ray.cancel`` interrupt this worker even when it inherited an ignored SIGINT.
+
+    ``ray.cancel(force=False)`` raises KeyboardInterrupt through Python's SIGINT handler; a worker forked from a
+    driver in a background shell job (SIGINT ignored, inherited through exec) would sit out the cancellation until
+    the force-kill, losing the child's exit status and output. Only the main thread may set a handler.
+    """
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) in (
+        signal.SIG_IGN,
+        signal.SIG_DFL,
+    ):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _run_replica_task(
     rank: int,
     argv: list[str],
@@ -57,6 +72,8 @@ def _run_replica_task(
     child is then stopped and the result says so.
     """
     import sys
+
+    _accept_interrupts()
 
     def relay(r: int, stream: str, line: str) -> None:
         if output_queue is not None:
