@@ -1,33 +1,82 @@
 """The SDPO self-teacher: an exponential moving average of the policy (SDPO ``teacher_regularization='ema'``).
 
-Source: lasgroup/SDPO ``dp_actor.py``. The copy starts equal to the initial policy and moves toward it by
-``rate`` after every optimizer step, ``θ_T ← (1 − r)·θ_T + r·θ_S``. Every rank holds its own copy. The copy is
-taken before DDP wraps the policy, when the ranks' freshly initialised weights (a PEFT adapter's, say) may still
-differ, so training starts by broadcasting rank 0's teacher (:meth:`EmaTeacher.synchronise`); from then on the
-copies stay identical because DDP keeps the policies identical. Checkpointed with the Trainer
-(``crf_core.trainer.state``).
+Source: lasgroup/SDPO ``dp_actor.py``. The teacher starts equal to the initial policy and moves toward it by
+``rate`` after every optimizer step, ``θ_T ← (1 − r)·θ_T + r·θ_S``. Two forms, with the same weights:
+
+* :class:`EmaTeacher`: a full frozen copy of the policy (a policy whose every weight trains).
+* :class:`AdapterEmaTeacher`: for a PEFT policy, EMA copies of the *trainable* tensors only (the adapter, and any
+  ``modules_to_save``). A frozen base weight never changes, so its EMA is itself
+  (``(1 − r)·θ + r·θ = θ``): the teacher is the shared frozen base plus the EMA adapter, run by swapping the EMA
+  tensors into the policy under no-grad and in eval mode (:meth:`AdapterEmaTeacher.applied`). Memory and
+  checkpoints hold adapter-sized state.
+
+Every rank holds its own teacher. It is taken before DDP wraps the policy, when the ranks' freshly initialised
+weights (a PEFT adapter's, say) may still differ, so training starts by broadcasting rank 0's teacher
+(``synchronise``); from then on the teachers stay identical because DDP keeps the policies identical.
+Checkpointed with the Trainer (``crf_core.trainer.state``).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["EmaTeacher"]
+__all__ = ["AdapterEmaTeacher", "EmaTeacher", "is_peft_model"]
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (False when peft is not installed)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft ships with the [train] extra
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _check_rate(rate: float) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"EMA rate must be a number in [0, 1], got {rate!r}")
+    return float(rate)
+
+
+def _check_state(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+    """``state`` must have exactly ``own``'s names, shapes and dtypes."""
+    if set(state) != set(own):
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise ValueError(f"EMA teacher state does not match the policy: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, value in state.items():
+        if value.shape != own[name].shape:
+            raise ValueError(
+                f"EMA teacher tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}"
+            )
+        if value.dtype != own[name].dtype:
+            raise ValueError(f"EMA teacher tensor {name!r} has dtype {value.dtype}, expected {own[name].dtype}")
+
+
+def _broadcast(tensors: Iterator[torch.Tensor] | list[torch.Tensor], src: int) -> None:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_world_size() < 2:
+        return
+    for tensor in tensors:
+        torch.distributed.broadcast(tensor, src=src)
 
 
 class EmaTeacher:
-    """A frozen copy of the policy updated as ``θ_T ← (1 − r)·θ_T + r·θ_S`` (SDPO ``teacher_regularization='ema'``).
+    """A frozen full copy of the policy updated as ``θ_T ← (1 − r)·θ_T + r·θ_S`` (SDPO ``teacher_regularization='ema'``).
 
-    The copy starts equal to ``model`` (the initial policy) and is never seen by the optimizer.
+    The copy (``module``) starts equal to ``model`` (the initial policy) and is never seen by the optimizer.
     """
 
+    kind = "full"
+
     def __init__(self, model: nn.Module, rate: float) -> None:
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"EMA rate must be in [0, 1], got {rate}")
-        self.rate = float(rate)
+        self.rate = _check_rate(rate)
         self.module = copy.deepcopy(model)
         # Instance-level `forward` overrides (TRL 1.16's fused LM head, accelerate hooks) close over the
         # *original* module, so the copy would silently run the live weights: restore the class forward.
@@ -36,35 +85,31 @@ class EmaTeacher:
         self.module.requires_grad_(False)
         self.module.eval()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the teacher's parameters (a tied parameter once): the memory it adds to the run."""
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    @contextmanager
+    def applied(self, policy: nn.Module) -> Iterator[nn.Module]:
+        """The model that computes teacher outputs: the copy itself (``policy`` is not touched)."""
+        del policy
+        yield self.module
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The teacher's parameters and buffers (for checkpoints)."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict`; every tensor must match the teacher's names, shapes and dtypes."""
-        own = self.module.state_dict()
-        if set(state) != set(own):
-            missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-            raise ValueError(
-                f"EMA teacher state does not match the policy: missing {missing[:5]}, unexpected {extra[:5]}"
-            )
-        for name, value in state.items():
-            if value.shape != own[name].shape:
-                raise ValueError(
-                    f"EMA teacher tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}"
-                )
-        self.module.load_state_dict(state)
+        _check_state(self.module.state_dict(), state)
+        self.module.load_state_dict(dict(state))
 
     @torch.no_grad()
     def synchronise(self, src: int = 0) -> None:
         """Make every rank's copy equal to rank ``src``'s (no-op outside ``torch.distributed``)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return
-        if torch.distributed.get_world_size() < 2:
-            return
-        for tensor in self.module.state_dict().values():
-            torch.distributed.broadcast(tensor, src=src)
+        _broadcast(list(self.module.state_dict().values()), src)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
@@ -77,3 +122,101 @@ class EmaTeacher:
             if source is None:
                 raise KeyError(f"the policy has no parameter {name!r}; the EMA teacher must mirror the policy")
             param.lerp_(source.detach().to(param.dtype), self.rate)
+
+
+class AdapterEmaTeacher:
+    """The EMA self-teacher of a PEFT policy: EMA copies of its trainable tensors over the shared frozen base.
+
+    ``tensors[name]`` (same names, shapes and dtypes as ``policy.named_parameters()``' trainable entries) starts
+    equal to the policy's and moves as ``θ_T ← (1 − r)·θ_T + r·θ_S``. Teacher outputs are the policy's with
+    these tensors swapped in (:meth:`applied`), which equals a full copy of the policy under the same EMA
+    (the frozen base's EMA is the base itself).
+    """
+
+    kind = "adapter"
+
+    def __init__(self, model: nn.Module, rate: float) -> None:
+        self.rate = _check_rate(rate)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the PEFT policy has no trainable parameters, so its EMA teacher would never move")
+        head = _head_tensors(model)
+        if any(p is h for _, p in trainable for h in head):
+            raise ValueError(
+                "the PEFT policy's plain nn.Linear lm_head is trainable, which the adapter EMA teacher cannot "
+                "share; freeze it, or train it through peft (modules_to_save=['lm_head'])"
+            )
+        self.tensors: dict[str, torch.Tensor] = {n: p.detach().clone() for n, p in trainable}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the EMA tensors: the memory the teacher adds to the run (the base is shared)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def _params(self, policy: nn.Module) -> dict[str, nn.Parameter]:
+        params = dict(policy.named_parameters())
+        missing = sorted(set(self.tensors) - set(params))
+        if missing:
+            raise KeyError(f"the policy has no parameters {missing[:5]}; the EMA teacher must mirror the policy")
+        return {name: params[name] for name in self.tensors}
+
+    @contextmanager
+    def applied(self, policy: nn.Module) -> Iterator[nn.Module]:
+        """``policy`` with the EMA tensors in place of its trainable ones, in eval mode, under no-grad.
+
+        The swap exchanges storage (``param.data``), so it copies nothing; on exit the policy's own tensors and
+        every module's train/eval mode are back. Use it only where no autograd graph of the policy is alive.
+        """
+        params = self._params(policy)
+        modes = [(m, m.training) for m in policy.modules()]
+        own: dict[str, torch.Tensor] = {}
+        try:
+            with torch.no_grad():
+                for name, param in params.items():
+                    ema = self.tensors[name]
+                    if ema.device != param.device:
+                        ema = self.tensors[name] = ema.to(param.device)
+                    own[name] = param.data
+                    param.data = ema
+                policy.eval()
+                yield policy
+        finally:
+            for name, data in own.items():
+                params[name].data = data
+            for module, training in modes:
+                module.training = training
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The EMA tensors (for checkpoints), keyed by the policy's parameter names."""
+        return {k: v.detach().clone() for k, v in self.tensors.items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict`; every tensor must match the teacher's names, shapes and dtypes."""
+        _check_state(self.tensors, state)
+        for name, value in state.items():
+            self.tensors[name].copy_(value)
+
+    @torch.no_grad()
+    def synchronise(self, src: int = 0) -> None:
+        """Make every rank's EMA tensors equal to rank ``src``'s (no-op outside ``torch.distributed``)."""
+        _broadcast(list(self.tensors.values()), src)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Move the EMA tensors toward ``model``'s trainable weights by ``rate`` (no-op when rate is 0)."""
+        if self.rate == 0.0:
+            return
+        for name, param in self._params(model).items():
+            ema = self.tensors[name]
+            ema.lerp_(param.detach().to(device=ema.device, dtype=ema.dtype), self.rate)
+
+
+def _head_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The weight (and bias) of the plain linear head the chunked scorer projects teacher states with, if any."""
+    from crf_core.channels import LMHead
+
+    head = LMHead(model)
+    if not head.separable:
+        return []
+    return [head.weight] if head.bias is None else [head.weight, head.bias]

@@ -28,8 +28,11 @@ gathered rewards; reward functions report feedback through TRL's ``log_extra(sdp
 captured by the ``_log_completion_extra`` override; ``_generate_and_score_completions`` then adds
 ``sdpo_teacher_prompt_ids``/``sdpo_teacher_prompt_mask`` ``(B, L)`` and ``sdpo_mask`` ``(B,)`` to the batch.
 
-State that outlives a step (EMA teacher, TAID schedule, pair cursor) is saved with every checkpoint and
-restored by ``train(resume_from_checkpoint=...)`` (``crf_core.trainer.state``).
+State that outlives a step (EMA teacher, TAID schedule, pair cursor) is saved with every checkpoint, with the
+channel settings it belongs to (:meth:`ComposerReplicationTrainer.channel_config`), and restored by
+``train(resume_from_checkpoint=...)`` (``crf_core.trainer.state``); other settings, or a checkpoint without that
+state while this run keeps some, are a ``ValueError``. Under PEFT the EMA teacher is the adapter's EMA over the
+shared frozen base (``crf_core.trainer.teacher.AdapterEmaTeacher``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,6 +53,7 @@ from trl import GRPOTrainer
 
 from crf_core.channels import (
     CompletionScores,
+    HeadStates,
     LMHead,
     SDPOChannel,
     SDPOTargets,
@@ -71,8 +75,8 @@ from crf_core.trainer.pairs import PairCursor, TokenizedPair, check_pair_records
 from crf_core.trainer.reprompt import PromptLike, build_reprompts
 from crf_core.trainer.sdpo_routing import route_samples
 from crf_core.trainer.startup import ChannelCost, parameter_bytes, startup_line
-from crf_core.trainer.state import ChannelState
-from crf_core.trainer.teacher import EmaTeacher
+from crf_core.trainer.state import STATE_FILE, ChannelState, config_mismatch
+from crf_core.trainer.teacher import AdapterEmaTeacher, EmaTeacher, is_peft_model
 from crf_distill import RowTerm
 
 __all__ = ["ComposerReplicationTrainer"]
@@ -169,9 +173,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._reprompt_config = replace(self._reprompt_config, success_reward_threshold=self.success.threshold)
         self.taid_schedule = args.taid_schedule() if self.sdpo is not None else None
         self._taid_losses: list[float] = []
-        self.sdpo_teacher: EmaTeacher | None = None
+        self.sdpo_teacher: EmaTeacher | AdapterEmaTeacher | None = None
         if self.sdpo is not None and args.sdpo_teacher == "ema":
-            self.sdpo_teacher = EmaTeacher(self.accelerator.unwrap_model(self.model), args.sdpo_teacher_update_rate)
+            policy = self.accelerator.unwrap_model(self.model)
+            # Under PEFT only the adapter trains: its EMA over the shared frozen base is the whole teacher.
+            teacher_cls = AdapterEmaTeacher if is_peft_model(policy) else EmaTeacher
+            self.sdpo_teacher = teacher_cls(policy, args.sdpo_teacher_update_rate)
         self.add_callback(_ChannelStep(self))
 
         self.preference = TraceReplayDPOChannel(args.preference_config())
@@ -205,7 +212,14 @@ class ComposerReplicationTrainer(GRPOTrainer):
         else:
             off.append("grpo")
         if self.sdpo is not None:
-            if self.sdpo_teacher is not None:
+            if isinstance(self.sdpo_teacher, AdapterEmaTeacher):
+                teacher = ChannelCost(
+                    "sdpo_jsd",
+                    cfg.sdpo_weight,
+                    "EMA teacher, adapter only over the shared base",
+                    self.sdpo_teacher.nbytes,
+                )
+            elif self.sdpo_teacher is not None:
                 teacher = ChannelCost(
                     "sdpo_jsd", cfg.sdpo_weight, "EMA teacher", parameter_bytes(self.sdpo_teacher.module)
                 )
@@ -518,15 +532,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         token_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         c = completion_ids.shape[1]
-        teacher_model = (
-            self.sdpo_teacher.module if self.sdpo_teacher is not None else self.accelerator.unwrap_model(model)
-        )
-        teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature)
         prompt = inputs["sdpo_teacher_prompt_ids"][rows]
         t_ids = torch.cat([prompt, completion_ids[rows]], dim=1)
         t_mask = torch.cat([inputs["sdpo_teacher_prompt_mask"][rows], completion_mask[rows]], dim=1)
-        with torch.no_grad():
-            t_states = teacher.states(t_ids, t_mask).tensor[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + c]
+        teacher, states = self.teacher_states(model, t_ids, t_mask)
+        t_states = states.tensor[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + c]
         flat = t_states.reshape(rows.numel() * c, -1)
         slot = torch.full((signal.shape[0],), -1, dtype=torch.long, device=signal.device)
         slot[rows] = torch.arange(rows.numel(), device=signal.device)
@@ -546,6 +556,25 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
         shape = (completion_ids.shape[0], inputs["prompt_ids"].shape[1] + c)
         return _SharedSDPO(factory, shape, c), token_mask * signal[:, None]
+
+    def teacher_states(
+        self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[LMHead, HeadStates]:
+        """The SDPO teacher on ``(B, T)`` tokens, under no-grad: its head and its ``(B, T, H)`` decoder states
+        (``(B, T, V)`` logits when the head is not separable; ``head.project`` turns states into logits).
+
+        The teacher is the EMA copy, the policy with its adapter's EMA swapped in (PEFT), or the live policy.
+        """
+        if self.sdpo is None:
+            raise ValueError("the SDPO channel is off (sdpo_weight=0)")
+        policy = self.accelerator.unwrap_model(model)
+        context: AbstractContextManager[Any] = (
+            nullcontext(policy) if self.sdpo_teacher is None else self.sdpo_teacher.applied(policy)
+        )
+        with context as teacher_model, torch.no_grad():
+            # Under PEFT the head is the frozen base's (AdapterEmaTeacher checks), so it may project later.
+            teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature)
+            return teacher, teacher.states(input_ids, attention_mask)
 
     def _sdpo_loss(self, model: Any, inputs: Mapping[str, Any], shared: _SharedSDPO, weights: torch.Tensor) -> Any:
         assert self.sdpo is not None
@@ -688,16 +717,56 @@ class ComposerReplicationTrainer(GRPOTrainer):
         return result.loss
 
     # ------------------------------------------------------------------ checkpoints
+    def channel_config(self) -> dict[str, Any]:
+        """The settings that decide which channel state exists and how it evolves (saved with it, compared on
+        resume): the three weights, the SDPO teacher (``sdpo_teacher``, its EMA rate, ``sdpo_teacher_state``
+        ``'full'`` or ``'adapter'``), ``sdpo_wrapper`` and, with TAID, its schedule; None where a channel is off."""
+        cfg = self.composer_args
+        sdpo = self.sdpo is not None
+        config: dict[str, Any] = {
+            "grpo_weight": float(cfg.grpo_weight),
+            "sdpo_weight": float(cfg.sdpo_weight),
+            "trace_replay_dpo_weight": float(cfg.trace_replay_dpo_weight),
+            "sdpo_teacher": cfg.sdpo_teacher if sdpo else None,
+            "sdpo_teacher_update_rate": None if self.sdpo_teacher is None else self.sdpo_teacher.rate,
+            "sdpo_teacher_state": None if self.sdpo_teacher is None else self.sdpo_teacher.kind,
+            "sdpo_wrapper": cfg.sdpo_wrapper if sdpo else None,
+        }
+        taid = self.taid_schedule is not None
+        for name in ("taid_alpha_min", "taid_alpha_max", "taid_step_size", "taid_momentum", "taid_adaptive"):
+            value = getattr(cfg, name)
+            config[name] = None if not taid else bool(value) if isinstance(value, bool) else float(value)
+        return config
+
     def channel_state(self) -> ChannelState:
-        """The state of the channels that outlives a step (EMA teacher, TAID schedule, pair cursor)."""
+        """The state of the channels that outlives a step (EMA teacher, TAID schedule, pair cursor) and
+        :meth:`channel_config`."""
         return ChannelState(
             teacher=None if self.sdpo_teacher is None else self.sdpo_teacher.state_dict(),
             taid=None if self.taid_schedule is None else self.taid_schedule.state_dict(),
             pairs=None if self.pair_cursor is None else self.pair_cursor.state_dict(),
+            config=self.channel_config(),
         )
 
-    def load_channel_state(self, state: ChannelState) -> None:
-        """Restore :meth:`channel_state`; a part this run has but the state lacks is an error."""
+    def _stateful_parts(self) -> list[str]:
+        return [
+            name
+            for name, own in (
+                ("EMA self-teacher", self.sdpo_teacher),
+                ("TAID schedule", self.taid_schedule),
+                ("trace-replay pair cursor", self.pair_cursor),
+            )
+            if own is not None
+        ]
+
+    def load_channel_state(self, state: ChannelState, where: str = "the checkpoint") -> None:
+        """Restore :meth:`channel_state`. Any difference is a ``ValueError`` naming it: another channel config, a
+        part this run has but the state lacks, or one the state has but this run does not use."""
+        if state.config is None:
+            raise ValueError(f"{where} records no channel config, so it cannot be checked against this run")
+        message = config_mismatch(state.config, self.channel_config(), where)
+        if message is not None:
+            raise ValueError(message)
         for name, own, saved in (
             ("EMA self-teacher", self.sdpo_teacher, state.teacher),
             ("TAID schedule", self.taid_schedule, state.taid),
@@ -705,7 +774,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
         ):
             if own is not None and saved is None:
                 raise ValueError(
-                    f"the checkpoint has no {name} state, but this run has one; resume with the same config"
+                    f"{where} has no {name} state, but this run has one; resume with the same ComposerConfig, "
+                    "or start a fresh run"
+                )
+            if own is None and saved is not None:
+                raise ValueError(
+                    f"{where} has {name} state, but this run does not use one; resume with the same "
+                    "ComposerConfig, or start a fresh run"
                 )
         if self.sdpo_teacher is not None and state.teacher is not None:
             self.sdpo_teacher.load_state_dict(state.teacher)
@@ -724,10 +799,22 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            state = ChannelState.load(checkpoint)
-            if state is not None:
-                self.load_channel_state(state)
+        if checkpoint is None:
+            return
+        state = ChannelState.load(checkpoint)
+        if state is not None:
+            self.load_channel_state(state, where=f"checkpoint {checkpoint}")
+            return
+        parts = self._stateful_parts()
+        if parts:
+            raise ValueError(
+                f"checkpoint {checkpoint} has no {STATE_FILE} (it was not saved by ComposerReplicationTrainer, e.g. "
+                f"a TRL GRPOTrainer checkpoint), but this run keeps state across steps ({', '.join(parts)}); "
+                "resuming would silently restart it from the resumed weights. Resume from a checkpoint this "
+                "trainer saved with the same ComposerConfig, or start a fresh run from the checkpoint's weights "
+                "(load the model from it, without resume_from_checkpoint)"
+            )
+        logger.info("checkpoint %s has no crf channel state; this run keeps none, so none is restored", checkpoint)
 
 
 def _read_pairs(source: Any, *, strict: bool) -> list[dict[str, Any]]:
