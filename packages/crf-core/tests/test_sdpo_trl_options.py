@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +230,60 @@ def test_docs_embed_the_mapping_table() -> None:
         "docs/packages/crf-core-trainer.md's TRL SDPOConfig table is stale: paste "
         "crf_core.trainer.trl_sdpo.trl_sdpo_markdown() into it"
     )
+
+
+def test_trainer_from_trl_names_equals_trainer_from_crf_names(tiny_config: Callable[..., Any], tmp_path: Path) -> None:
+    """A trainer configured with TRL's SDPOConfig names computes the same SDPO loss as one with crf's names."""
+    import torch
+    from datasets import Dataset
+
+    from crf_core.trainer import ComposerReplicationTrainer
+    from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+
+    def half_success(completions: list[str], **kwargs: Any) -> list[float]:
+        kwargs["log_extra"]("feedback", [None if i % 2 else f"wrong answer #{i}" for i in range(len(completions))])
+        return [float(i % 2) for i in range(len(completions))]
+
+    def trainer(out: Path, **options: Any) -> Any:
+        tokenizer = build_char_tokenizer()
+        torch.manual_seed(0)
+        return ComposerReplicationTrainer(
+            model=build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2),
+            reward_funcs=half_success,
+            args=tiny_config(out, **options),
+            train_dataset=Dataset.from_list([{"prompt": "def add(a, b):\n    return"}] * 8),
+            processing_class=tokenizer,
+        )
+
+    trl_names = trainer(
+        tmp_path / "trl",
+        distillation_mode="topk_logits",
+        distillation_topk=8,
+        distillation_alpha=1.0,
+        distillation_add_tail=False,
+        distillation_weight=1.0,
+        teacher_model_kind="live",
+        include_environment_feedback=True,
+        environment_feedback_only_without_solution=False,
+        success_reward_threshold=1.0,
+    )
+    crf_names = trainer(
+        tmp_path / "crf",
+        sdpo_top_k=8,
+        sdpo_alpha=1.0,
+        sdpo_add_tail=False,
+        grpo_weight=0.0,
+        sdpo_teacher="live",
+        sdpo_environment_feedback_only_without_solution=False,
+    )
+    assert trl_names.sdpo.config == crf_names.sdpo.config
+    losses = []
+    for t in (trl_names, crf_names):
+        t.model.train()
+        torch.manual_seed(0)
+        batch = t._generate_and_score_completions([{"prompt": "def add(a, b):\n    return"}] * 4)
+        assert batch["sdpo_mask"].tolist() == [1.0, 0.0, 1.0, 0.0]  # failures: a solved peer and feedback
+        losses.append(t.sdpo_channel_loss(t.model, batch))
+    assert float(losses[0]) > 0
+    torch.testing.assert_close(losses[0], losses[1], atol=0, rtol=0)
+    trl_names.train()  # one optimizer step on TRL-named options
