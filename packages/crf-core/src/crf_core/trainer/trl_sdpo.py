@@ -130,7 +130,7 @@ TRL_SDPO_OPTIONS: dict[str, TRLSDPOOption] = {
         "alias", "sdpo_environment_feedback_only_without_solution", "crf's default is True, TRL's False"
     ),
     "remove_thinking_from_demonstration": TRLSDPOOption(
-        "alias", "sdpo_remove_thinking_from_demonstration", "same <think>…</think> removal; crf's default is True"
+        "alias", "sdpo_remove_thinking_from_demonstration", "same `<think>…</think>` removal; crf's default is True"
     ),
     # ------------------------------------------------------------------ diagnostics, data
     "diagnostics_warning_interval": TRLSDPOOption(
