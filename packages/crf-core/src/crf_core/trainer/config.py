@@ -32,6 +32,7 @@ from crf_core.trainer.success import (
     SuccessThresholdMode,
     effective_success_threshold,
 )
+from crf_core.trainer.trl_sdpo import IS_CLIP_UNSET, resolve_trl_sdpo_options
 from crf_distill import TAIDSchedule
 
 __all__ = ["TRACE_REPLAY_REFERENCES", "ComposerConfig"]
@@ -306,6 +307,89 @@ class ComposerConfig(GRPOConfig):
     use_weighting: bool = field(
         default=False, metadata={"help": "TRL DPOConfig option (WPO weighting), not supported; must stay False."}
     )
+    # TRL SDPOConfig names (TRL 1.16 `trl.experimental.sdpo`), folded into the crf fields above by
+    # `crf_core.trainer.trl_sdpo.resolve_trl_sdpo_options` following its table `TRL_SDPO_OPTIONS` (an error where
+    # both names disagree or crf lacks the feature). Unset (None; NaN for distillation_is_clip) = crf's field rules.
+    distillation_alpha: float | None = field(default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_alpha`."})
+    distillation_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "TRL SDPOConfig option: 'full_logits' sets sdpo_top_k=None, 'topk_logits' sdpo_top_k="
+            "distillation_topk; 'sampled_token' is refused (use 'topk_logits'/'full_logits' with alpha 1)."
+        },
+    )
+    distillation_topk: int | None = field(default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_top_k`."})
+    distillation_is_clip: float | None = field(
+        default=IS_CLIP_UNSET,
+        metadata={"help": "TRL SDPOConfig name of `sdpo_is_clip` (None disables the IS weight; NaN = unset)."},
+    )
+    distillation_add_tail: bool | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_add_tail`."}
+    )
+    distillation_weight: float | None = field(
+        default=None,
+        metadata={"help": "TRL SDPOConfig option: w in [0, 1] sets grpo_weight = 1 - w and sdpo_weight = w."},
+    )
+    teacher_model_kind: str | None = field(
+        default=None,
+        metadata={
+            "help": "TRL SDPOConfig option: 'ema'/'live' set sdpo_teacher; 'base' (frozen initial policy) sets "
+            "sdpo_teacher='ema' with sdpo_teacher_update_rate=0."
+        },
+    )
+    teacher_update_rate: float | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_teacher_update_rate`."}
+    )
+    teacher_sync_steps: int | None = field(
+        default=None,
+        metadata={"help": "TRL SDPOConfig option; only 1 (crf updates the EMA teacher after every optimizer step)."},
+    )
+    use_teacher_server: bool | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig option; only False (crf scores the teacher locally)."}
+    )
+    use_successful_as_teacher: bool | None = field(
+        default=None,
+        metadata={"help": "TRL SDPOConfig option; only True (crf always uses a successful peer as demonstration)."},
+    )
+    dont_reprompt_on_self_success: bool | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_dont_reprompt_on_self_success`."}
+    )
+    max_reprompt_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "TRL SDPOConfig name of `sdpo_max_reprompt_len`; also sets sdpo_reprompt_truncation='left' "
+            "(TRL keeps the end) unless that was set."
+        },
+    )
+    reprompt_template: str | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_reprompt_template`."}
+    )
+    solution_template: str | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_solution_template`."}
+    )
+    feedback_template: str | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_feedback_template`."}
+    )
+    include_environment_feedback: bool | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_include_environment_feedback`."}
+    )
+    environment_feedback_only_without_solution: bool | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_environment_feedback_only_without_solution`."}
+    )
+    remove_thinking_from_demonstration: bool | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_remove_thinking_from_demonstration`."}
+    )
+    diagnostics_warning_interval: int | None = field(
+        default=None, metadata={"help": "TRL SDPOConfig name of `sdpo_success_warning_steps` (0 never warns)."}
+    )
+    diagnostics_flat_tolerance: float | None = field(
+        default=None,
+        metadata={"help": "TRL SDPOConfig option; only values <= 1e-8 (crf's degenerate-success test is exact)."},
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "TRL SDPOConfig option; only None (crf never truncates prompts: shorten them in the data)."},
+    )
     dpo_beta: float = field(default=0.1, metadata={"help": "DPO β (inverse temperature of the implicit reward)."})
     dpo_label_smoothing: float = field(
         default=0.0,
@@ -343,6 +427,7 @@ class ComposerConfig(GRPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._resolve_trl_dpo_aliases()
+        resolve_trl_sdpo_options(self)
         for name in ("grpo_weight", "sdpo_weight", "trace_replay_dpo_weight"):
             check_weight(name, getattr(self, name))
         if self.grpo_weight == self.sdpo_weight == self.trace_replay_dpo_weight == 0:
