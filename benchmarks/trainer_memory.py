@@ -1,11 +1,13 @@
-"""Peak memory during ``train()``: TRL's plain ``GRPOTrainer`` against ``ComposerReplicationTrainer``.
+"""Peak memory during ``train()``: TRL's ``GRPOTrainer`` and ``SDPOTrainer`` against ``ComposerReplicationTrainer``.
 
 What is measured
     A random Qwen2 (hidden 64, 2 layers, 4 heads) whose vocabulary is ``--vocab`` (default Qwen's 151,936) and
     again at ``--small-vocab``; ``--rollouts`` rollouts of exactly ``--tokens`` completion tokens per step
-    (``min_new_tokens``), ``--steps`` optimizer steps, AdamW, CPU, float32. Three trainers, each in a fresh
-    process: ``trl`` (TRL ``GRPOTrainer``), ``crf-grpo`` (``ComposerReplicationTrainer`` with only the GRPO
-    channel) and ``crf-all`` (GRPO + SDPO with its EMA self-teacher + trace-replay DPO).
+    (``min_new_tokens``), ``--steps`` optimizer steps, AdamW, CPU, float32. The five trainers of
+    ``trainer_peers.py``, each in a fresh process: ``trl`` (TRL ``GRPOTrainer``), ``crf-grpo`` (GRPO channel
+    only) and ``crf-all`` (GRPO + SDPO with its EMA self-teacher + trace-replay DPO), each against ``trl``; and
+    ``trl-sdpo`` (TRL ``SDPOTrainer``, top-100 + tail, EMA teacher, half policy gradient, half distillation)
+    against ``crf-sdpo`` (crf's GRPO + SDPO at the same setting).
 
 How memory is measured (CPU, honest)
     glibc serves every allocation above 64 KiB with its own ``mmap`` and returns freed memory at once
@@ -16,7 +18,7 @@ How memory is measured (CPU, honest)
     just before it: everything ``train()`` adds (optimizer state, gradients, activations, logits, generation).
 
 Usage
-    python benchmarks/trainer_memory.py                 # both vocabularies, 3 trainers, median of --repeats
+    python benchmarks/trainer_memory.py                 # both vocabularies, 5 trainers, median of --repeats
     python benchmarks/trainer_memory.py --repeats 1 --only trl crf-grpo
 """
 
@@ -32,14 +34,7 @@ import sys
 import tempfile
 from typing import Any
 
-TRAINERS = ("trl", "crf-grpo", "crf-all")
-PROMPTS = [
-    "def add(a, b):\n    return",
-    "def sub(a, b):\n    return",
-    "def neg(x):\n    return",
-    "def sq(x):\n    return",
-]
-PAIRS = [{"prompt": p, "chosen": " a + b", "rejected": " a - b"} for p in PROMPTS]
+from trainer_peers import KINDS, PEER, build, dataset
 
 
 def _status_kib(field: str) -> int:
@@ -49,22 +44,12 @@ def _status_kib(field: str) -> int:
     return int(match.group(1))
 
 
-def feedback_reward(completions: list[str], **kwargs: Any) -> list[float]:
-    """Cheap reward that also logs feedback, so SDPO has a teacher signal on every step."""
-    if "log_extra" in kwargs:
-        kwargs["log_extra"]("feedback", ["the answer is wrong"] * len(completions))
-    return [float(len(c) % 2) for c in completions]
-
-
 def _child(args: argparse.Namespace) -> None:
     import gc
 
     import torch
-    from datasets import Dataset
     from transformers import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
     from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     torch.manual_seed(0)
@@ -72,7 +57,6 @@ def _child(args: argparse.Namespace) -> None:
     model = build_tiny_causal_lm(
         tokenizer, architecture="qwen2", hidden_size=64, num_layers=2, num_heads=4, vocab_size=args.vocab
     )
-    dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS] * 16)
     with tempfile.TemporaryDirectory() as out:
         common: dict[str, Any] = {
             "output_dir": out,
@@ -89,29 +73,7 @@ def _child(args: argparse.Namespace) -> None:
             "disable_tqdm": True,
             "seed": 0,
         }
-        trainer: Any
-        if args.child == "trl":
-            trainer = GRPOTrainer(
-                model=model,
-                reward_funcs=feedback_reward,
-                args=GRPOConfig(**common),
-                train_dataset=dataset,
-                processing_class=tokenizer,
-            )
-        else:
-            every = args.child == "crf-all"
-            trainer = ComposerReplicationTrainer(
-                model=model,
-                reward_funcs=feedback_reward,
-                args=ComposerConfig(
-                    **common,
-                    sdpo_weight=1.0 if every else 0.0,
-                    trace_replay_dpo_weight=1.0 if every else 0.0,
-                ),
-                train_dataset=dataset,
-                processing_class=tokenizer,
-                trace_replay_pairs=PAIRS if every else None,
-            )
+        trainer = build(args.child, model, tokenizer, dataset(16), common)
         trainer.remove_callback(PrinterCallback)
         gc.collect()
         with open("/proc/self/clear_refs", "w") as fh:  # reset the high-water mark to the current resident set
@@ -140,25 +102,26 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64, help="completion tokens per rollout")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per cell; the median is printed")
-    parser.add_argument("--only", nargs="+", choices=TRAINERS, default=list(TRAINERS))
-    parser.add_argument("--child", choices=TRAINERS, help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args)
         return
     vocabs = [args.vocab] + ([args.small_vocab] if args.small_vocab else [])
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
-    print(f"{'vocab':>8} {'trainer':<10} {'peak MB (median)':>17} {'runs':<28} {'x TRL':>6}")
+    print(f"{'vocab':>8} {'trainer':<10} {'peak MB (median)':>17} {'runs':<28} {'x peer':>16}")
     for vocab in vocabs:
         medians: dict[str, float] = {}
         for trainer in args.only:
             runs = [_spawn(trainer, vocab, args) for _ in range(args.repeats)]
             medians[trainer] = statistics.median(runs)
-            ratio = f"{medians[trainer] / medians['trl']:.2f}" if "trl" in medians else "-"
+            peer = PEER.get(trainer)
+            ratio = f"{medians[trainer] / medians[peer]:.2f}x {peer}" if peer in medians else "-"
             shown = ", ".join(f"{r:.0f}" for r in runs)
-            print(f"{vocab:>8} {trainer:<10} {medians[trainer]:>17.0f} {shown:<28} {ratio:>6}")
+            print(f"{vocab:>8} {trainer:<10} {medians[trainer]:>17.0f} {shown:<28} {ratio:>16}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
-    print("targets at V=151,936: crf-all <= 0.50x TRL, crf-grpo <= 0.35x TRL")
+    print("targets at V=151,936: crf-all <= 0.50x trl, crf-grpo <= 0.35x trl, crf-sdpo <= 0.25x trl-sdpo")
 
 
 if __name__ == "__main__":

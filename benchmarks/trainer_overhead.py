@@ -1,13 +1,15 @@
-"""Steps per second of ComposerReplicationTrainer (every channel on) against TRL's plain GRPOTrainer.
+"""Steps per second of ComposerReplicationTrainer against TRL: every channel vs ``GRPOTrainer``, GRPO + SDPO vs
+``SDPOTrainer``.
 
 Same tiny offline model (2-layer Llama, character vocabulary), same data, same reward, same GRPO
-settings, and every rollout forced to the full 16 tokens so both trainers generate the same amount;
+settings, and every rollout forced to the full 16 tokens so all trainers generate the same amount;
 each trainer runs ``--steps`` timed optimizer steps after ``--warmup`` untimed ones (timed by a
-step-end callback inside one run), ``--repeats`` times interleaved, and the best time is kept. Target: ratio ≥ 0.8 (the Composer trainer does the GRPO step, with the SDPO student
-scored in the same pass, plus a no-grad teacher forward on the longer reprompts and a DPO forward/backward on
-pairs).
+step-end callback inside one run), ``--repeats`` times interleaved, and the best time is kept. The trainers
+are `trainer_peers.py`'s: ``crf-all`` (GRPO + SDPO + DPO) against ``trl`` (target ≥ 0.8×: the Composer trainer
+does the GRPO step, with the SDPO student scored in the same pass, plus a no-grad teacher forward on the longer
+reprompts and a DPO forward/backward on pairs), ``crf-sdpo`` against ``trl-sdpo`` (target ≥ 1.0×).
 
-    python benchmarks/trainer_overhead.py            # about a minute on 2 idle CPU cores
+    python benchmarks/trainer_overhead.py            # a few minutes on 2 idle CPU cores
     python benchmarks/trainer_overhead.py --vocab 151936 --steps 4 --repeats 2   # Qwen's vocabulary
 
 With ``--vocab`` the model's vocabulary is that large (ids past the character tokenizer decode to nothing), so
@@ -23,27 +25,12 @@ import tempfile
 import time
 from typing import Any
 
-from datasets import Dataset
+from trainer_peers import PEER, build, dataset
 from transformers import PrinterCallback, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
 
-from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
 from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
-PROMPTS = [
-    "def add(a, b):\n    return",
-    "def sub(a, b):\n    return",
-    "def neg(x):\n    return",
-    "def sq(x):\n    return",
-]
-PAIRS = [{"prompt": p, "chosen": " a + b", "rejected": " a - b"} for p in PROMPTS]
-
-
-def parity_reward(completions: list[str], **kwargs: Any) -> list[float]:
-    """Cheap deterministic reward with feedback, so that SDPO has teacher signal on every step."""
-    if "log_extra" in kwargs:
-        kwargs["log_extra"]("feedback", [None if len(c) % 2 else "the answer has even length" for c in completions])
-    return [float(len(c) % 2) for c in completions]
+TARGET = {"crf-all": 0.8, "crf-sdpo": 1.0}
 
 
 def common(out: str, steps: int) -> dict[str, Any]:
@@ -78,25 +65,8 @@ class StepClock(TrainerCallback):
 
 def run(kind: str, model: Any, tokenizer: Any, warmup: int, steps: int) -> float:
     """Seconds for ``steps`` optimizer steps after ``warmup`` untimed ones, in one training run."""
-    dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS] * 64)
     with tempfile.TemporaryDirectory() as out:
-        if kind == "grpo":
-            trainer: GRPOTrainer = GRPOTrainer(
-                model=copy.deepcopy(model),
-                reward_funcs=parity_reward,
-                args=GRPOConfig(**common(out, warmup + steps)),
-                train_dataset=dataset,
-                processing_class=tokenizer,
-            )
-        else:
-            trainer = ComposerReplicationTrainer(
-                model=copy.deepcopy(model),
-                reward_funcs=parity_reward,
-                args=ComposerConfig(**common(out, warmup + steps), trace_replay_dpo_weight=1.0, sdpo_top_k=20),
-                train_dataset=dataset,
-                processing_class=tokenizer,
-                trace_replay_pairs=PAIRS,
-            )
+        trainer = build(kind, copy.deepcopy(model), tokenizer, dataset(64), common(out, warmup + steps))
         trainer.remove_callback(PrinterCallback)
         clock = StepClock()
         trainer.add_callback(clock)
@@ -116,18 +86,19 @@ def main() -> None:
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, num_heads=4, vocab_size=opts.vocab)
     print(f"vocabulary {model.config.vocab_size}, load average {os.getloadavg()[0]:.2f}")
+    kinds = [kind for ours in TARGET for kind in (PEER[ours], ours)]
     best: dict[str, float] = {}
     for _ in range(opts.repeats):
-        for kind in ("grpo", "composer"):  # interleaved so machine load affects both alike
+        for kind in kinds:  # interleaved so machine load affects every trainer alike
             best[kind] = min(best.get(kind, float("inf")), run(kind, model, tokenizer, opts.warmup, opts.steps))
     rate = {k: opts.steps / v for k, v in best.items()}
-    print(f"{'trainer':<44} {'steps':>5} {'seconds':>8} {'steps/s':>8}")
-    print(f"{'TRL GRPOTrainer':<44} {opts.steps:>5} {best['grpo']:>8.2f} {rate['grpo']:>8.3f}")
-    print(
-        f"{'ComposerReplicationTrainer (GRPO+SDPO+DPO)':<44} {opts.steps:>5} {best['composer']:>8.2f} {rate['composer']:>8.3f}"
-    )
-    ratio = rate["composer"] / rate["grpo"]
-    print(f"ratio composer/TRL = {ratio:.2f}x (target >= 0.80x): {'PASS' if ratio >= 0.8 else 'BELOW TARGET'}")
+    print(f"{'trainer':<10} {'steps':>5} {'seconds':>8} {'steps/s':>8}")
+    for kind in kinds:
+        print(f"{kind:<10} {opts.steps:>5} {best[kind]:>8.2f} {rate[kind]:>8.3f}")
+    for ours, target in TARGET.items():
+        ratio = rate[ours] / rate[PEER[ours]]
+        verdict = "PASS" if ratio >= target else "BELOW TARGET"
+        print(f"ratio {ours}/{PEER[ours]} = {ratio:.2f}x (target >= {target:.2f}x): {verdict}")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
