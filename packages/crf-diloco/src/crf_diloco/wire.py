@@ -1,8 +1,8 @@
-"""Wire format (version 2): authenticated safetensors objects; fp32/bf16/int8 codecs of a flat payload.
+"""Wire format (version 2): authenticated safetensors objects; fp32/bf16/int8/int4/top-k codecs of a flat payload.
 
 A payload is the flat fp32 concatenation ``x`` of all tensors of a round (``numel`` elements). It is cut into
-*units* (one element for ``fp32``/``bf16``, one row of :data:`INT8_BLOCK` elements for ``int8``) and the units into
-one contiguous shard per participant (`ShardPlan`).
+*units* (one element for ``fp32``/``bf16``, one block for ``int8`` (:data:`INT8_BLOCK`), ``int4`` and ``topk``) and
+the units into one contiguous shard per participant (`ShardPlan`).
 
 Codecs (tensor names inside the object):
 
