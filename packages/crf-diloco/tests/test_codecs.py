@@ -528,3 +528,42 @@ def test_deferred_rounds_take_the_residual_only_when_the_vote_commits(
             assert not torch.equal(after[key], before[key]), "the committed round's residual was taken"
         else:
             assert torch.equal(after[key], before[key]), "an aborted vote leaves the residual unchanged"
+
+
+def test_topk_ties_match_a_stable_sort_reference() -> None:
+    """Integer-valued inputs tie a lot: the kept offsets are the numpy stable-sort choice (larger magnitude first,
+    then the lower offset), and the result is the same whatever the memory layout of the input."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(-3, 4, (5000,), generator=g).float()
+    idx = _encode_units(x, SMALL_TOPK)["i"].long().numpy()
+    blocks = _ref_blocks(x.double().numpy(), 256)
+    mag = np.where(_ref_blocks(np.ones(5000), 256) > 0, np.abs(blocks), -1.0)
+    ref = np.sort(np.argsort(-mag, axis=1, kind="stable")[:, :8], axis=1)
+    assert np.array_equal(idx, ref)
+    assert torch.equal(_encode_units(x[::1].clone(), SMALL_TOPK)["i"], _encode_units(x, SMALL_TOPK)["i"])
+
+
+def test_mockmanager_syncs_take_the_residual_only_on_commit(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """Through MockManager (deferred rounds + store-wide vote): a committed sync takes the staged residual, a sync
+    that votes false (rank 1 reports an error after the allreduce) leaves it unchanged on both replicas."""
+    from crf_diloco import MockManager
+
+    def replica(rank: int) -> tuple[bool, bool, bool, bool]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, compression="topk:8/256")
+        manager = MockManager(ar, checkpoint=False)
+        manager.start_quorum()
+        t = _x(rank, 0)
+        manager.allreduce(t).wait()
+        first = manager.should_commit()
+        taken = bool(ar.state_dict()["residuals"])
+        before = ar.state_dict()["residuals"]
+        manager.start_quorum()
+        manager.allreduce(_x(rank, 1)).wait()
+        if rank == 1:
+            manager.report_error(RuntimeError("the inner step diverged"))
+        second = manager.should_commit()
+        after = ar.state_dict()["residuals"]
+        unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        return first, taken, second, unchanged
+
+    assert run_replicas(replica, 2) == [(True, True, False, True)] * 2

@@ -292,8 +292,13 @@ def _encode_units(x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
     tail = blocks.numel() - x.numel()
     if tail:
         mag.view(-1)[x.numel() :] = -1.0  # padding is chosen only when the block has fewer than k real elements
-    order = torch.sort(mag, dim=1, descending=True, stable=True).indices[:, : spec.k]
-    idx = torch.sort(order, dim=1).values
+    mag.nan_to_num_(nan=float("inf"))
+    # exactly k per row, deterministic: all magnitudes above the k-th largest, then the lowest offsets equal to it
+    kth = torch.topk(mag, spec.k, dim=1).values[:, -1:]
+    above = mag > kth
+    tied = mag == kth
+    keep = above | (tied & (tied.cumsum(dim=1) <= spec.k - above.sum(dim=1, keepdim=True)))
+    idx = keep.nonzero()[:, 1].view(-1, spec.k)  # row-major: ascending offsets in each row
     q, scale = _absmax_quantise(torch.gather(blocks, 1, idx), _INT8_MAX)
     return {"i": idx.to(torch.int16), "q": q.to(torch.int8), "s": scale}
 
