@@ -567,3 +567,25 @@ def test_mockmanager_syncs_take_the_residual_only_on_commit(memory_uri: str, run
         return first, taken, second, unchanged
 
     assert run_replicas(replica, 2) == [(True, True, False, True)] * 2
+
+
+def test_two_deferred_rounds_of_one_stream_chain_their_residuals(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """Two open rounds of the same stream before one vote: the second starts from the first's staged residual (not
+    the committed one, which would send the first round's residual twice); mass is conserved over both."""
+
+    def replica(rank: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, timeout=20, compression="int4:8", secret=SECRET)
+        outs = []
+        for t in range(2):
+            x = _x(rank, t, 64)
+            ar.allreduce(x, defer_decision=True)
+            outs.append(x)
+        assert ar.vote(True)
+        (residual,) = ar.state_dict()["residuals"].values()
+        return outs, residual
+
+    results = run_replicas(replica, 2)
+    total_in = sum(_x(r, t, 64).double() for r in range(2) for t in range(2))
+    delivered = sum(2 * results[0][0][t].double() for t in range(2))
+    gap = (delivered + results[0][1].double() + results[1][1].double() - total_in).abs()
+    assert float(gap.max()) <= 1e-5, float(gap.max())

@@ -334,7 +334,7 @@ class ObjectStoreAllReduce:
         self._join()
         flat = flatten(tensor_list, self._scratch)
         spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision, dtype_runs(tensor_list))
-        residual = self._residuals.get(_stream_key(spec)) if participate else None
+        residual = self._residual_for(_stream_key(spec)) if participate else None
         if residual is not None:
             flat = flat + residual  # a new tensor: the inputs stay as they are if the round fails
         veto = self._veto_for(flat) if participate else None
@@ -392,6 +392,15 @@ class ObjectStoreAllReduce:
             raise _Abort(f"rank {self.rank}: the error-feedback residual is not finite (its values overflow fp32)")
         self._staged = (_stream_key(spec), residual)
         return residual
+
+    def _residual_for(self, stream: str) -> torch.Tensor | None:
+        """The residual the next round of ``stream`` starts from: that of the newest open (deferred) round of the
+        stream if there is one (it stands if that round commits; if it aborts, this replica votes false on every
+        later round of the vote, so they abort too), else the committed one."""
+        for open_round in reversed(self._open):
+            if open_round.staged is not None and open_round.staged[0] == stream:
+                return open_round.staged[1]
+        return self._residuals.get(stream)
 
     def _apply_staged(self, staged: tuple[str, torch.Tensor] | None) -> None:
         if staged is not None:
