@@ -589,3 +589,18 @@ def test_two_deferred_rounds_of_one_stream_chain_their_residuals(memory_uri: str
     delivered = sum(2 * results[0][0][t].double() for t in range(2))
     gap = (delivered + results[0][1].double() + results[1][1].double() - total_in).abs()
     assert float(gap.max()) <= 1e-5, float(gap.max())
+
+
+@pytest.mark.parametrize(("codec", "how"), [("int4:64", "negative scale"), (SMALL_TOPK, "duplicate index")])
+def test_forged_reduced_shard_content_is_refused(codec: str, how: str, memory_uri: str) -> None:
+    """The broadcast leg is decoded by the same checks: a reduced shard with forged content is corrupt."""
+    from crf_diloco.wire import read_reduced
+
+    plan = ShardPlan.build(N, codec, 1)
+    tensors = _encode_units(_nonzero(N, 2), codec)
+    _tamper(codec, how)(tensors)
+    meta = {"codec": codec, "numel": str(N), "shard": "0", "token": "t"}
+    store = ObjectStore(memory_uri)
+    store.put_create("red", encode_object("red", AUTH, "reduced", tensors, meta))
+    with pytest.raises(CorruptObjectError, match=r"^red: "):
+        read_reduced(store, "red", AUTH, plan, 0, torch.empty(N), Scratch(), token="t")
