@@ -20,13 +20,16 @@ What is measured
 
 Bytes
     Bytes read and written per replica as a multiple of the tensor size, for world sizes 2, 4 and 8
-    (threads on ``memory://``, ``--bytes-numel`` elements), and the int8 compression ratio at world
-    size 4. Every ObjectStoreAllReduce runs with a run secret (authenticated objects), as replicas
-    started by ``crf-diloco launch`` do. Targets (issue 12): at most 2.9x the tensor size at every
-    world size (the protocol moves 1 + 1/m + 2(m-1)/m, 2.875x at m = 8; a naive all-gather moves
-    N x), 4 x 64M at most 1.0x Gloo's time on a local folder, int8 at most 0.3x of uncompressed.
+    (threads on ``memory://``, ``--bytes-numel`` elements), and bytes per round of every codec (bf16, int8,
+    int4, topk) against fp32 at world sizes 4 and 8: the mean and the largest replica's bytes read + written,
+    divided by fp32's, next to the codec's payload ratio without headers. Every ObjectStoreAllReduce runs
+    with a run secret (authenticated objects), as replicas started by ``crf-diloco launch`` do. Targets
+    (issue 12): at most 2.9x the tensor size at every world size (the protocol moves 1 + 1/m + 2(m-1)/m,
+    2.875x at m = 8; a naive all-gather moves N x), 4 x 64M at most 1.0x Gloo's time on a local folder,
+    int8 at most 0.3x of uncompressed; the sparse codec (``topk``, default k = 41 of 4096) at most 0.02x.
 
-Run: ``python benchmarks/allreduce.py`` (``--sizes 1M --reps 2 --skip-s3`` for a quick look).
+Run: ``python benchmarks/allreduce.py`` (``--sizes 1M --reps 2 --skip-s3`` for a quick look; ``--bytes-only``
+for the bytes tables alone).
 """
 
 from __future__ import annotations
@@ -254,7 +257,7 @@ def _bytes_table(numel: int) -> None:
         out: list[tuple[int, int]] = [(0, 0)] * world_size
 
         def replica(rank: int) -> None:
-            ar = ObjectStoreAllReduce(uri, rank, world_size, timeout=600, compression=compression, secret=BENCH_SECRET)  # type: ignore[arg-type]
+            ar = ObjectStoreAllReduce(uri, rank, world_size, timeout=600, compression=compression, secret=BENCH_SECRET)
             ar.allreduce(torch.randn(numel))
             out[rank] = (ar.bytes_read, ar.bytes_written)
 
@@ -274,10 +277,22 @@ def _bytes_table(numel: int) -> None:
         mean_w = statistics.mean(w for _, w in counts) / size
         mean_r = statistics.mean(r for r, _ in counts) / size
         print(f"{world_size:>5} {mean_w:>8.3f} {mean_r:>8.3f} {statistics.mean(totals):>8.3f} {max(totals):>10.3f}")
-    plain = run(4, None)
-    int8 = run(4, "int8")
-    ratio = max((a[0] + a[1]) / (b[0] + b[1]) for a, b in zip(int8, plain, strict=True))
-    print(f"int8 / fp32 bytes at world size 4: {ratio:.3f}  (target <= 0.3)")
+    from crf_diloco.payload import codec_of
+    from crf_diloco.wire import parse_codec
+
+    targets = {"int8": "<= 0.3", "topk": "<= 0.02"}
+    print(f"\nBytes per round per replica, codec / fp32 ({numel:,} elements; payload = data only, no headers)")
+    print(f"{'world':>5} {'codec':<14} {'payload':>8} {'mean':>8} {'max':>8}  target")
+    for world_size in (4, 8):
+        plain = [r + w for r, w in run(world_size, None)]
+        for compression in ("bf16", "int8", "int4", "topk"):
+            got = [r + w for r, w in run(world_size, compression)]
+            ratios = [a / b for a, b in zip(got, plain, strict=True)]
+            name = codec_of(compression)
+            print(
+                f"{world_size:>5} {name:<14} {parse_codec(name).ratio():>8.4f} {statistics.mean(ratios):>8.4f} "
+                f"{max(ratios):>8.4f}  {targets.get(compression, '')}"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,12 +303,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--s3-sizes", default=None, help="sizes for the moto S3 runs (default: --sizes)")
     parser.add_argument("--bytes-numel", default="4M")
+    parser.add_argument("--bytes-only", action="store_true", help="print the bytes tables only (no timings)")
     parser.add_argument(
         "--folder",
         default=None,
         help="local folder for the file-based variants (default: a new dir in /dev/shm if present, else the temp dir)",
     )
     args = parser.parse_args(argv)
+    if args.bytes_only:
+        _bytes_table(_parse_size(args.bytes_numel))
+        return
 
     load_start = os.getloadavg()[0]
     sizes = [_parse_size(s) for s in args.sizes.split(",")]

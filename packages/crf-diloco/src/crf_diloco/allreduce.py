@@ -90,6 +90,7 @@ from crf_diloco.wire import (
     encode_payload,
     encode_reduced,
     header_probe,
+    parse_codec,
     read_header,
     read_payload_shard,
     read_reduced,
@@ -102,7 +103,8 @@ __all__ = ["ObjectStoreAllReduce", "RoundInfo"]
 logger = logging.getLogger(__name__)
 TensorOrList = TypeVar("TensorOrList", torch.Tensor, Sequence[torch.Tensor])
 R = TypeVar("R")
-Compression = Literal["bf16", "int8"]
+#: ``"bf16"``, ``"int8"``, ``"int4"``, ``"int4:<block>"``, ``"topk"`` or ``"topk:<k>/<block>"`` (`crf_diloco.wire.parse_codec`)
+Compression = str
 _UNSET: Any = object()
 _MAX_RECORD = 1 << 20
 #: what collection deletes from a round (its decision stays as the tombstone)
@@ -128,6 +130,7 @@ class _OpenRound:
     keys: RoundKeys
     quorum: QuorumRecord
     participated: bool
+    staged: tuple[str, torch.Tensor] | None = None
 
 
 class _Abort(Exception):
@@ -148,8 +151,10 @@ class ObjectStoreAllReduce:
             store must be trusted (objects carry checksums only; a warning says so once).
         timeout: seconds each wait of the data phase may take before the round aborts.
         quorum_timeout: seconds to wait for expected replicas to announce (default: ``timeout``).
-        compression: ``None`` (fp32 on the wire), ``"bf16"`` or ``"int8"`` (row-wise scales). The reduction itself
-            is always fp32.
+        compression: ``None`` (fp32 on the wire), ``"bf16"``, ``"int8"`` (row-wise scales), ``"int4"`` /
+            ``"int4:<block>"`` (block-wise absmax, two values per byte) or ``"topk"`` / ``"topk:<k>/<block>"`` (the
+            ``k`` largest of every block, int8 values; default 1 %). The reduction itself is always fp32. ``int4`` and
+            ``topk`` keep a per-replica error-feedback residual (:meth:`state_dict`).
         storage_options: fsspec options (e.g. ``{"endpoint_url": ...}``, credentials).
         min_participants: a quorum with fewer participants aborts the round.
         poll_interval: longest sleep between two polls of the store (seconds).
@@ -192,8 +197,7 @@ class ObjectStoreAllReduce:
             raise ValueError(f"quorum_timeout must be > 0 seconds or None, got {quorum_timeout!r}")
         if straggler_grace is not None and not straggler_grace > 0:
             raise ValueError(f"straggler_grace must be > 0 seconds or None, got {straggler_grace!r}")
-        if compression not in (None, "bf16", "int8"):
-            raise ValueError(f"compression must be None, 'bf16' or 'int8', got {compression!r}")
+        codec = codec_of(compression)  # ValueError naming the fix
         if not 1 <= min_participants <= world_size:
             raise ValueError(f"min_participants must be in [1, world_size={world_size}], got {min_participants!r}")
         if keep_rounds < 1:
@@ -205,7 +209,7 @@ class ObjectStoreAllReduce:
         self.auth = Authenticator(secret, self.run_id)
         self.timeout = float(timeout)
         self.quorum_timeout = float(quorum_timeout) if quorum_timeout is not None else self.timeout
-        self.compression: Compression | None = compression
+        self.compression: Compression | None = None if compression is None else codec
         self.min_participants = min_participants
         self.poll_interval = float(poll_interval)
         self.straggler_grace = float(straggler_grace) if straggler_grace is not None else self.timeout / 3
@@ -222,6 +226,8 @@ class ObjectStoreAllReduce:
         self._bad_decisions: set[int] = set()
         self._closed = False
         self._scratch = Scratch()
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._staged: tuple[str, torch.Tensor] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         if preflight:
@@ -327,16 +333,23 @@ class ObjectStoreAllReduce:
             return tensors
         self._join()
         flat = flatten(tensor_list, self._scratch)
+        spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision, dtype_runs(tensor_list))
+        residual = self._residual_for(_stream_key(spec)) if participate else None
+        if residual is not None:
+            flat = flat + residual  # a new tensor: the inputs stay as they are if the round fails
         veto = self._veto_for(flat) if participate else None
+        if veto is not None and residual is not None:
+            veto += " (its input plus its error-feedback residual)"
         if veto is not None:
             round_id = self.round_id
             self.abort(veto)
             raise RoundAbortedError(f"round {round_id} aborted: {veto} (this replica vetoed it)")
-        spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision, dtype_runs(tensor_list))
         round_id = self.round_id
+        self._staged = None
         try:
             result = self._run_round(round_id, flat, spec, participate)
         finally:
+            self._staged = None
             self.round_id = round_id + 1
         write_back(tensor_list, result)
         return tensors
@@ -345,6 +358,53 @@ class ObjectStoreAllReduce:
         """Why this replica must veto its contribution (NaN/inf in it), or ``None``."""
         bad = count_nonfinite(flat)
         return f"rank {self.rank}'s contribution has {bad} NaN/inf value(s)" if bad else None
+
+    # -- error feedback -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's own state: ``{"residuals": {stream: fp32 tensor}}``, the error-feedback residuals of the
+        ``int4``/``topk`` payloads it reduced (one per ``(codec, op, numel, name)``), as of its last committed round.
+
+        Per replica, not global: save it with the replica's own checkpoint (e.g. `crf_diloco.checkpoint.dumps_state`)
+        and give it back to :meth:`load_state_dict` on resume. Copies."""
+        return {"residuals": {key: r.clone() for key, r in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s residuals; `ValueError` for anything that is not exactly such a state (a
+        stream name that does not parse, a codec without error feedback, a tensor that is not 1-D fp32 of the
+        stream's element count, or one holding NaN/inf). Nothing is changed when it raises."""
+        if not isinstance(state, dict) or set(state) != {"residuals"} or not isinstance(state["residuals"], dict):
+            raise ValueError("state must be {'residuals': {stream: tensor}} as returned by state_dict()")
+        loaded: dict[str, torch.Tensor] = {}
+        for key, value in state["residuals"].items():
+            numel = _parse_stream_key(key)
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.shape != (numel,):
+                raise ValueError(f"residual {key!r} must be a 1-D float32 tensor of {numel} elements")
+            if count_nonfinite(value):
+                raise ValueError(f"residual {key!r} holds NaN/inf values; drop it (start that stream from zero)")
+            loaded[key] = value.detach().to("cpu").clone()
+        self._residuals = loaded
+
+    def _stage_feedback(self, spec: PayloadSpec, flat: torch.Tensor, codec: str) -> torch.Tensor:
+        """The residual this round leaves if it commits: what the codec loses of ``flat`` (the contribution plus the
+        old residual). The shard owner adds the broadcast leg's loss to it (`_reduce_shard`)."""
+        residual = flat - wire_roundtrip(flat, codec)
+        if count_nonfinite(residual):
+            raise _Abort(f"rank {self.rank}: the error-feedback residual is not finite (its values overflow fp32)")
+        self._staged = (_stream_key(spec), residual)
+        return residual
+
+    def _residual_for(self, stream: str) -> torch.Tensor | None:
+        """The residual the next round of ``stream`` starts from: that of the newest open (deferred) round of the
+        stream if there is one (it stands if that round commits; if it aborts, this replica votes false on every
+        later round of the vote, so they abort too), else the committed one."""
+        for open_round in reversed(self._open):
+            if open_round.staged is not None and open_round.staged[0] == stream:
+                return open_round.staged[1]
+        return self._residuals.get(stream)
+
+    def _apply_staged(self, staged: tuple[str, torch.Tensor] | None) -> None:
+        if staged is not None:
+            self._residuals[staged[0]] = staged[1]
 
     def abort(self, reason: str, *, participate: bool = True) -> None:
         """Veto the next round (a false vote cast before its data phase) and skip it; never raises
@@ -693,7 +753,10 @@ class ObjectStoreAllReduce:
             decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", token, decide=decide)
             if self._stands(decision, quorum):
                 assert quorum is not None
-                return self._follow_commit(keys, quorum, spec, decision)
+                result = self._follow_commit(keys, quorum, spec, decision)
+                if self.rank in quorum.participants:  # our payload went into the committed round
+                    self._apply_staged(self._staged)
+                return result
             self._finish(keys, quorum, "abort", decision.reason)
             corrupt = exc if isinstance(exc, CorruptObjectError) else exc.__cause__
             raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}") from (
@@ -796,25 +859,27 @@ class ObjectStoreAllReduce:
         try:
             if mine:
                 self._check_not_collected(keys)  # never re-create a round collected meanwhile
+                feedback = self._stage_feedback(spec, flat, plan.codec) if plan.spec.error_feedback else None
                 key = keys.data(self.rank)
                 meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
                 pending.append(
                     self._submit(self._create_payload, key, encode_payload(key, self.auth, flat, plan, meta), token)
                 )
                 shard = participants.index(self.rank)
-                self._reduce_shard(keys, quorum, shard, deadline, flat, pending)
+                self._reduce_shard(keys, quorum, shard, deadline, flat, pending, feedback)
                 done.add(shard)
             result = self._gather(keys, quorum, deadline, start, done, flat if mine else None, pending)
             self._drain(pending)
         finally:
             concurrent.futures.wait(pending)
         if spec.vote:
-            self._open.append(_OpenRound(keys, quorum, mine))
+            self._open.append(_OpenRound(keys, quorum, mine, self._staged))
             self.last_round = RoundInfo(keys.round_id, "pending", list(participants), mine)
             return result
         decision = self._write_decision(keys, "commit", "", token, decide=mine)
         if not self._stands(decision, quorum):
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
+        self._apply_staged(self._staged)
         self._finish(keys, quorum, "commit", "")
         return result
 
@@ -838,8 +903,13 @@ class ObjectStoreAllReduce:
         deadline: float,
         own: torch.Tensor | None,
         pending: Pending,
+        feedback: torch.Tensor | None = None,
     ) -> None:
-        """Sum shard ``shard`` over all participants in order into the result buffer and create its object."""
+        """Sum shard ``shard`` over all participants in order into the result buffer and create its object.
+
+        ``feedback``: the shard owner's staged residual (error-feedback codecs); the broadcast leg's loss (the exact
+        reduction minus what its codec delivers, in sum units: times the participants for ``avg``) is added to it
+        over the shard's elements, so the next round's contribution of the owner carries it."""
         plan, participants, token = quorum.plan, quorum.participants, quorum.token
         lo, hi = plan.elem_range(shard)
         acc = self._result(plan.numel)[lo:hi]
@@ -870,6 +940,13 @@ class ObjectStoreAllReduce:
         if overflow:
             what = ", ".join(f"{n} in {dtype}" for dtype, n in sorted(overflow.items()))
             raise _Abort(f"shard {shard} of round {keys.round_id}: the reduced values overflow their dtype ({what})")
+        if feedback is not None:
+            lost = acc - decoded
+            if quorum.spec.op == "avg":
+                lost *= len(participants)
+            feedback[lo:hi] += lost
+            if count_nonfinite(feedback[lo:hi]):
+                raise _Abort(f"rank {self.rank}: the error-feedback residual of shard {shard} is not finite")
         if decoded.data_ptr() != acc.data_ptr():
             acc.copy_(decoded)
 
@@ -1017,6 +1094,8 @@ class ObjectStoreAllReduce:
                 self._finish(keys, quorum, "abort", str(final), participated=open_round.participated)
                 return False
         committed = self._stands(decision, quorum)
+        if committed and open_round.participated:
+            self._apply_staged(open_round.staged)
         outcome: Literal["commit", "abort"] = "commit" if committed else "abort"
         self._finish(keys, quorum, outcome, decision.reason, participated=open_round.participated)
         return committed
@@ -1077,6 +1156,26 @@ class ObjectStoreAllReduce:
             self._expected |= announced
         if participants and self.rank == min(participants) and keys.round_id >= self.keep_rounds:
             self._submit(self._collect, keys.round_id - self.keep_rounds)
+
+
+def _stream_key(spec: PayloadSpec) -> str:
+    """The error-feedback stream of a payload: ``codec|op|numel|name``."""
+    return f"{spec.codec}|{spec.op}|{spec.numel}|{spec.name or ''}"
+
+
+def _parse_stream_key(key: Any) -> int:
+    """The element count of a stream key made by `_stream_key`; `ValueError` if it is not one."""
+    parts = key.split("|") if isinstance(key, str) else []
+    try:
+        ok = len(parts) == 4 and parse_codec(parts[0]).name == parts[0] and parse_codec(parts[0]).error_feedback
+        ok = ok and parts[1] in ("avg", "sum") and parts[2].isdigit() and int(parts[2]) >= 1
+        if ok and parts[3]:
+            validate_name(parts[3], "name")
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{key!r} is not an error-feedback stream 'codec|op|numel|name' of an int4/topk codec")
+    return int(parts[2])
 
 
 def _why(exc: BaseException | None) -> str:

@@ -339,7 +339,7 @@ class MockManager:
                     self._allreduce.allreduce(
                         [t for t, _ in items],
                         op,  # type: ignore[arg-type]
-                        compression=compression,  # type: ignore[arg-type]
+                        compression=compression,
                         participate=not self._observe_next,
                         defer_decision=True,
                     )

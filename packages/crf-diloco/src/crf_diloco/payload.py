@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from crf_diloco.wire import CODECS, Scratch
+from crf_diloco.wire import Scratch, parse_codec
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -41,11 +41,19 @@ def as_tensor_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch
 
 
 def codec_of(compression: str | None) -> str:
-    """The wire codec of a ``compression`` argument (``None`` → ``"fp32"``)."""
-    codec = "fp32" if compression is None else compression
-    if codec not in CODECS or (codec == "fp32" and compression is not None):
-        raise ValueError(f"compression must be None, 'bf16' or 'int8', got {compression!r}")
-    return codec
+    """The canonical wire codec of a ``compression`` argument (``None`` → ``"fp32"``; ``"int4"`` → ``"int4:64"``;
+    ``"topk"`` → ``"topk:41/4096"``); `ValueError` naming the fix for anything else."""
+    if compression is None:
+        return "fp32"
+    if compression == "fp32":
+        raise ValueError("compression must be None (fp32 on the wire), 'bf16', 'int8', 'int4[:<block>]' or "
+                         "'topk[:<k>/<block>]', got 'fp32': pass None")  # fmt: skip
+    try:
+        return parse_codec(compression).name
+    except ValueError as exc:
+        raise ValueError(
+            f"compression must be None, 'bf16', 'int8', 'int4[:<block>]' or 'topk[:<k>/<block>]': {exc}"
+        ) from None
 
 
 def flatten(tensors: list[torch.Tensor], scratch: Scratch) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from crf_diloco.errors import CorruptObjectError
-from crf_diloco.wire import CODECS, ShardPlan
+from crf_diloco.wire import CODECS, ShardPlan, parse_codec
 
 __all__ = [
     "MAX_NUMEL",
@@ -105,6 +105,16 @@ class _Reader:
             raise self.bad(name, f"one of {options}")
         return v
 
+    def codec(self, name: str) -> str:
+        v = self.obj[name]
+        try:
+            ok = isinstance(v, str) and parse_codec(v).name == v
+        except ValueError:
+            ok = False
+        if not ok:
+            raise self.bad(name, f"a canonical codec name ({CODECS}, 'int4:<block>' or 'topk:<k>/<block>')")
+        return v
+
     def dtype_runs(self, name: str) -> tuple[tuple[str, int], ...]:
         v = self.obj[name]
         want = f"runs [dtype, count] of {PAYLOAD_DTYPES}, neighbours differing, not all float32"
@@ -163,7 +173,7 @@ class PayloadSpec:
         r = _Reader(obj, key, 1, {"numel", "codec", "op", "name", "vote", "dtypes"})
         spec = PayloadSpec(
             r.integer("numel", 1),
-            r.choice("codec", CODECS),
+            r.codec("codec"),
             r.choice("op", ("avg", "sum")),
             r.text("name", optional=True),
             r.flag("vote"),

@@ -1,8 +1,8 @@
-"""Wire format (version 2): authenticated safetensors objects; fp32/bf16/int8 codecs of a flat payload.
+"""Wire format (version 2): authenticated safetensors objects; fp32/bf16/int8/int4/top-k codecs of a flat payload.
 
 A payload is the flat fp32 concatenation ``x`` of all tensors of a round (``numel`` elements). It is cut into
-*units* (one element for ``fp32``/``bf16``, one row of :data:`INT8_BLOCK` elements for ``int8``) and the units into
-one contiguous shard per participant (`ShardPlan`).
+*units* (one element for ``fp32``/``bf16``, one block for ``int8`` (:data:`INT8_BLOCK`), ``int4`` and ``topk``) and
+the units into one contiguous shard per participant (`ShardPlan`).
 
 Codecs (tensor names inside the object):
 
@@ -12,6 +12,18 @@ Codecs (tensor names inside the object):
   ``s_i = max_j |x_ij| / 127`` (F32, ``[rows]``), ``q_ij = round(x_ij / s_i)`` (I8), decoded as ``q_ij · s_i``.
   Like torchft's row-wise quantised allreduce (one fp32 scale per row), except that rows are fixed-size blocks of the
   flattened payload instead of the tensors' own rows.
+* ``int4:<B>`` (``int4`` = ``int4:64``): block-wise absmax quantisation to ``[-7, 7]`` of ``x`` zero-padded to
+  ``[rows, B]``: ``s_i = max_j |x_ij| / 7`` (F32, ``[rows]``) and ``q`` (U8, ``[rows, B/2]``), two values per byte:
+  element ``2j`` in the low nibble, ``2j+1`` in the high one, each stored as ``q + 8`` (``1..15``). Decoded as
+  ``q_ij · s_i``; error ``<= s_i / 2``. ``0.5 + 4/B`` bytes per element (``0.141×`` fp32 at ``B = 64``).
+* ``topk:<k>/<B>`` (``topk`` = ``topk:41/4096``, 1 % of each block): per block of ``B`` elements the ``k`` largest
+  magnitudes (ties: the lower offset), as ``i`` (I16 offsets in the block, strictly ascending, ``[rows, k]``), ``q``
+  (I8, ``[rows, k]``: absmax int8 of the kept values) and ``s`` (F32, ``[rows]``); everything else decodes to 0.
+  ``3k + 4`` bytes per block: ``127 / 16384 = 0.00775×`` fp32 by default.
+
+The unit of ``int8``/``int4``/``topk`` is one block, so every shard decodes alone. ``int4`` and ``topk`` payloads are
+validated when decoded (finite non-negative scales, values and offsets in range and ascending, zero padding): a
+replica holding the secret that sends anything else gets `CorruptObjectError`, never a silent wrong value.
 
 Every object is a valid safetensors file whose JSON header starts with ``{"__metadata__":{"mac":"<64 hex>"``. The
 metadata also holds ``crf_diloco`` (this version), ``kind`` (``payload``, ``reduced`` or ``state``), a random
@@ -23,6 +35,7 @@ before it is parsed. Nothing is ever unpickled; every malformed object raises `C
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import warnings
@@ -43,9 +56,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CODECS",
+    "INT4_BLOCK",
     "INT8_BLOCK",
+    "TOPK_BLOCK",
+    "TOPK_K",
     "WIRE_VERSION",
     "Blob",
+    "Codec",
     "Header",
     "Scratch",
     "ShardPlan",
@@ -54,7 +71,9 @@ __all__ = [
     "encode_object",
     "encode_payload",
     "encode_reduced",
+    "feedback_roundtrip",
     "header_probe",
+    "parse_codec",
     "read_header",
     "read_payload_shard",
     "read_reduced",
@@ -62,9 +81,18 @@ __all__ = [
 ]
 
 WIRE_VERSION = "2"
-CODECS = ("fp32", "bf16", "int8")
+CODECS = ("fp32", "bf16", "int8", "int4", "topk")
 INT8_BLOCK = 512
+#: default int4 block (one fp32 scale per 64 values: 36 bytes per 64 elements, 0.141x fp32) and its allowed range
+INT4_BLOCK = 64
+INT4_BLOCK_RANGE = (8, 4096)
+#: default top-k: 41 of every 4096 values (1 %), int16 offsets + int8 values + one fp32 scale per block:
+#: 41 * 3 + 4 = 127 bytes per 16384 fp32 bytes, 0.00775x fp32
+TOPK_K = 41
+TOPK_BLOCK = 4096
+TOPK_BLOCK_RANGE = (64, 32768)
 _INT8_MAX = 127.0
+_INT4_MAX = 7.0
 ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -87,6 +115,93 @@ Blob = list[memoryview]
 
 
 @dataclass(frozen=True)
+class Codec:
+    """A parsed wire codec: ``kind`` (``fp32``, ``bf16``, ``int8``, ``int4``, ``topk``), its unit ``block`` (elements per
+    unit) and, for ``topk``, ``k`` (values kept per block). ``name`` is the canonical string used on the wire."""
+
+    kind: str
+    block: int = 1
+    k: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.kind == "int4":
+            return f"int4:{self.block}"
+        if self.kind == "topk":
+            return f"topk:{self.k}/{self.block}"
+        return self.kind
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether rounds of this codec keep a per-replica residual (the sub-int8 codecs do)."""
+        return self.kind in ("int4", "topk")
+
+    def bytes_per_block(self) -> int:
+        """Wire bytes of one unit (payload data only, headers excluded)."""
+        if self.kind == "int4":
+            return self.block // 2 + 4
+        if self.kind == "topk":
+            return self.k * 3 + 4
+        if self.kind == "int8":
+            return INT8_BLOCK + 4
+        return 4 if self.kind == "fp32" else 2
+
+    def ratio(self) -> float:
+        """Payload bytes of this codec / fp32 bytes (headers excluded)."""
+        return self.bytes_per_block() / (4 * self.block)
+
+
+@functools.lru_cache(maxsize=64)
+def parse_codec(name: str) -> Codec:
+    """The `Codec` of a compression string: ``fp32``, ``bf16``, ``int8``, ``int4`` (= ``int4:64``), ``int4:<block>``,
+    ``topk`` (= ``topk:41/4096``, 1 % of each block) or ``topk:<k>/<block>``. `ValueError` naming the fix otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"codec must be a string such as 'int4' or 'topk:41/4096', got {name!r}")
+    if name in ("fp32", "bf16"):
+        return Codec(name)
+    if name == "int8":
+        return Codec("int8", INT8_BLOCK)
+    kind, sep, args = name.partition(":")
+    if kind == "int4":
+        block = _codec_int(name, args, INT4_BLOCK) if sep else INT4_BLOCK
+        if not INT4_BLOCK_RANGE[0] <= block <= INT4_BLOCK_RANGE[1] or block % 2:
+            raise ValueError(
+                f"codec {name!r}: the int4 block size must be even and in [{INT4_BLOCK_RANGE[0]}, "
+                f"{INT4_BLOCK_RANGE[1]}] (two values per byte, one fp32 scale per block), got {block}; "
+                f"use e.g. 'int4:{INT4_BLOCK}'"
+            )
+        return Codec("int4", block)
+    if kind == "topk":
+        k, block = TOPK_K, TOPK_BLOCK
+        if sep:
+            k_text, slash, block_text = args.partition("/")
+            if not slash:
+                raise ValueError(
+                    f"codec {name!r}: write top-k as 'topk:<k>/<block>', e.g. 'topk:{TOPK_K}/{TOPK_BLOCK}'"
+                )
+            k, block = _codec_int(name, k_text, TOPK_K), _codec_int(name, block_text, TOPK_BLOCK)
+        if not TOPK_BLOCK_RANGE[0] <= block <= TOPK_BLOCK_RANGE[1]:
+            raise ValueError(
+                f"codec {name!r}: the top-k block size must be in [{TOPK_BLOCK_RANGE[0]}, {TOPK_BLOCK_RANGE[1]}] "
+                f"(indices are int16 offsets within a block), got {block}; use e.g. 'topk:{TOPK_K}/{TOPK_BLOCK}'"
+            )
+        if not 1 <= k <= block // 4:
+            raise ValueError(
+                f"codec {name!r}: k (values kept per block of {block}) must be in [1, {block // 4}] (block / 4: "
+                f"denser than that, 'int4' or 'int8' is smaller on the wire), got {k}; e.g. 1 % is "
+                f"'topk:{max(1, -(-block // 100))}/{block}'"
+            )
+        return Codec("topk", block, k)
+    raise ValueError(f"codec must be one of {CODECS} (optionally 'int4:<block>' or 'topk:<k>/<block>'), got {name!r}")
+
+
+def _codec_int(name: str, text: str, example: int) -> int:
+    if not text.isdigit() or not text.isascii() or (len(text) > 1 and text[0] == "0") or len(text) > 6:
+        raise ValueError(f"codec {name!r}: {text!r} is not a plain positive integer (e.g. {example})")
+    return int(text)
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     """How a payload of ``numel`` elements is cut into ``len(bounds) - 1`` shards of units."""
 
@@ -96,18 +211,23 @@ class ShardPlan:
 
     @staticmethod
     def build(numel: int, codec: str, n_shards: int) -> ShardPlan:
-        if codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        spec = parse_codec(codec)
+        if spec.name != codec:
+            raise ValueError(f"codec {codec!r} is not canonical: pass {spec.name!r}")
         if numel < 1:
             raise ValueError(f"payload must have at least one element, got numel={numel}")
         if n_shards < 1:
             raise ValueError(f"n_shards must be >= 1, got {n_shards}")
-        units = -(-numel // INT8_BLOCK) if codec == "int8" else numel
+        units = -(-numel // spec.block)
         return ShardPlan(codec, numel, tuple(k * units // n_shards for k in range(n_shards + 1)))
 
     @property
+    def spec(self) -> Codec:
+        return parse_codec(self.codec)
+
+    @property
     def unit(self) -> int:
-        return INT8_BLOCK if self.codec == "int8" else 1
+        return self.spec.block
 
     @property
     def units(self) -> int:
@@ -124,33 +244,104 @@ class ShardPlan:
 
     def shapes(self, a: int, b: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Tensor names, dtypes and shapes of units ``[a, b)`` under this codec."""
-        if self.codec == "int8":
+        spec = self.spec
+        if spec.kind == "int8":
             return {"q": (torch.int8, (b - a, INT8_BLOCK)), "s": (torch.float32, (b - a,))}
+        if spec.kind == "int4":
+            return {"q": (torch.uint8, (b - a, spec.block // 2)), "s": (torch.float32, (b - a,))}
+        if spec.kind == "topk":
+            return {"i": (torch.int16, (b - a, spec.k)), "q": (torch.int8, (b - a, spec.k)),
+                    "s": (torch.float32, (b - a,))}  # fmt: skip
         return {"x": (torch.float32 if self.codec == "fp32" else torch.bfloat16, (b - a,))}
 
 
 # -- codecs -------------------------------------------------------------------------------------------
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` zero-padded to whole blocks, as ``[rows, block]`` (a copy)."""
+    rows = -(-x.numel() // block)
+    padded = torch.zeros(rows * block, dtype=torch.float32)
+    padded[: x.numel()] = x
+    return padded.view(rows, block)
+
+
+def _absmax_quantise(values: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise absmax quantisation of ``[rows, n]`` fp32 values: ``(q, s)`` with ``q`` in ``[-qmax, qmax]`` (fp32)."""
+    scale = values.abs().amax(dim=1) / qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(values / safe[:, None]).clamp_(-qmax, qmax)
+    return q, scale.contiguous()
+
+
 def _encode_units(x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
     """Encode a flat fp32 slice that starts on a unit boundary."""
     if codec == "fp32":
         return {"x": x.contiguous()}
     if codec == "bf16":
         return {"x": x.to(torch.bfloat16)}
-    rows = -(-x.numel() // INT8_BLOCK)
-    padded = torch.zeros(rows * INT8_BLOCK, dtype=torch.float32)
-    padded[: x.numel()] = x
-    blocks = padded.view(rows, INT8_BLOCK)
-    scale = blocks.abs().amax(dim=1) / _INT8_MAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / safe[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
-    return {"q": q, "s": scale.contiguous()}
+    spec = parse_codec(codec)
+    blocks = _blocks(x, spec.block)
+    if spec.kind == "int8":
+        q, scale = _absmax_quantise(blocks, _INT8_MAX)
+        return {"q": q.to(torch.int8), "s": scale}
+    if spec.kind == "int4":
+        q, scale = _absmax_quantise(blocks, _INT4_MAX)
+        nib = (q + 8).to(torch.uint8).view(blocks.shape[0], -1, 2)  # 1..15; nibble 0 (-8) is never written
+        return {"q": (nib[:, :, 0] | (nib[:, :, 1] << 4)).contiguous(), "s": scale}
+    # topk: the k largest magnitudes per block (ties: the lower index), indices ascending, int8 absmax values
+    mag = blocks.abs()
+    tail = blocks.numel() - x.numel()
+    if tail:
+        mag.view(-1)[x.numel() :] = -1.0  # padding is chosen only when the block has fewer than k real elements
+    mag.nan_to_num_(nan=float("inf"))
+    # exactly k per row, deterministic: all magnitudes above the k-th largest, then the lowest offsets equal to it
+    kth = torch.topk(mag, spec.k, dim=1).values[:, -1:]
+    above = mag > kth
+    tied = mag == kth
+    keep = above | (tied & (tied.cumsum(dim=1) <= spec.k - above.sum(dim=1, keepdim=True)))
+    idx = keep.nonzero()[:, 1].view(-1, spec.k)  # row-major: ascending offsets in each row
+    q, scale = _absmax_quantise(torch.gather(blocks, 1, idx), _INT8_MAX)
+    return {"i": idx.to(torch.int16), "q": q.to(torch.int8), "s": scale}
 
 
-def _decode_units(tensors: dict[str, torch.Tensor], codec: str, numel: int) -> torch.Tensor:
-    """Inverse of :func:`_encode_units`: ``numel`` values (fp32, or the raw bf16 values; both add exactly)."""
-    if codec == "int8":
+def _check_scales(s: torch.Tensor, key: str) -> None:
+    if s.numel() and not bool((torch.isfinite(s) & (s >= 0)).all()):
+        raise CorruptObjectError(f"{key}: a block scale is negative, NaN or inf (forged or corrupt scales)")
+
+
+def _decode_units(tensors: dict[str, torch.Tensor], codec: str, numel: int, key: str = "<memory>") -> torch.Tensor:
+    """Inverse of :func:`_encode_units`: ``numel`` values (fp32, or the raw bf16 values; both add exactly).
+
+    For ``int4``/``topk`` the content is validated (finite non-negative scales, nibbles in ``[-7, 7]``, indices
+    strictly ascending inside the block, int8 values in ``[-127, 127]``, nothing non-zero in the padding):
+    `CorruptObjectError` naming ``key`` otherwise. Such an object can only come from a replica holding the secret."""
+    if codec in ("fp32", "bf16"):
+        return tensors["x"][:numel]
+    spec = parse_codec(codec)
+    if spec.kind == "int8":
         return (tensors["q"].to(torch.float32) * tensors["s"][:, None]).reshape(-1)[:numel]
-    return tensors["x"][:numel]
+    s = tensors["s"]
+    _check_scales(s, key)
+    rows = s.shape[0]
+    if spec.kind == "int4":
+        packed = tensors["q"].to(torch.int16)
+        q = torch.stack([(packed & 15) - 8, (packed >> 4) - 8], dim=2).view(rows, spec.block)
+        if bool((q == -8).any()):
+            raise CorruptObjectError(f"{key}: an int4 value is -8 (nibble 0), outside the codec's [-7, 7]")
+        out = (q.to(torch.float32) * s[:, None]).reshape(-1)
+    else:
+        idx, qv = tensors["i"].to(torch.int64), tensors["q"]
+        if bool(((idx < 0) | (idx >= spec.block)).any()) or bool((idx[:, 1:] <= idx[:, :-1]).any()):
+            raise CorruptObjectError(
+                f"{key}: top-k indices must be strictly ascending offsets in [0, {spec.block}) within each block"
+            )
+        if bool((qv == -128).any()):
+            raise CorruptObjectError(f"{key}: a top-k value is -128, outside the codec's [-127, 127]")
+        dense = torch.zeros(rows, spec.block, dtype=torch.float32)
+        dense.scatter_(1, idx, qv.to(torch.float32) * s[:, None])
+        out = dense.view(-1)
+    if out.numel() > numel and bool((out[numel:] != 0).any()):
+        raise CorruptObjectError(f"{key}: non-zero values in the padding after the payload's {numel} elements")
+    return out[:numel]
 
 
 def wire_roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
@@ -158,6 +349,15 @@ def wire_roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
     if codec == "fp32":
         return x
     return _decode_units(_encode_units(x.contiguous(), codec), codec, x.numel())
+
+
+def feedback_roundtrip(x: torch.Tensor, residual: torch.Tensor | None, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of error feedback: ``(decoded, new_residual)`` with ``decoded = decode(encode(x + residual))`` and
+    ``new_residual = (x + residual) - decoded`` (fp32; ``residual=None`` is zero). Summed over rounds, decoded
+    outputs plus the last residual equal the inputs (up to fp32 rounding of the two additions)."""
+    c = x if residual is None else x + residual
+    decoded = wire_roundtrip(c, codec)
+    return decoded, c - decoded
 
 
 # -- buffers ------------------------------------------------------------------------------------------
@@ -423,7 +623,7 @@ def read_payload_shard(
     into = {"x": out} if out is not None and plan.codec == "fp32" else None
     parts = _read_item(store, header, auth, (a, b), (shard, plan.n_shards), scratch, into)
     lo, hi = plan.elem_range(shard)
-    return _decode_units(parts, plan.codec, hi - lo)
+    return _decode_units(parts, plan.codec, hi - lo, header.key)
 
 
 def check_payload_header(header: Header, plan: ShardPlan, **meta: str) -> None:
@@ -441,7 +641,7 @@ def encode_reduced(
     tensors = _encode_units(values, plan.codec)
     meta = {"codec": plan.codec, "numel": str(plan.numel), "shard": str(shard), **meta}
     blob = encode_object(key, auth, "reduced", tensors, meta)
-    return blob, _decode_units(tensors, plan.codec, hi - lo)
+    return blob, _decode_units(tensors, plan.codec, hi - lo, key)
 
 
 def read_reduced(
@@ -467,7 +667,7 @@ def read_reduced(
     into = {"x": out} if plan.codec == "fp32" else None
     parts = _read_item(store, header, auth, (0, b - a), (0, 1), scratch, into)
     if into is None:
-        out.copy_(_decode_units(parts, plan.codec, hi - lo))
+        out.copy_(_decode_units(parts, plan.codec, hi - lo, key))
 
 
 def decode_object(blob: bytes, key: str, auth: Authenticator, kind: str) -> tuple[Header, dict[str, torch.Tensor]]:
