@@ -181,6 +181,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--outer-lr", type=float, default=1.0, help="DiLoCo outer SGD lr (1.0 without momentum = averaging)")
     add("--outer-momentum", type=float, default=0.0, help="DiLoCo outer Nesterov momentum (the paper: 0.9)")
     add("--sync-timeout", type=float, default=120.0, help="seconds a DiLoCo round may wait for peers")
+    add("--codec", default="fp32",
+        help="wire codec of DiLoCo's outer gradients: fp32, bf16, int8, int4[:block] or topk[:k/block] (the last two "
+             "with error feedback; crf_diloco.wire)")  # fmt: skip
     add("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
     add("--replica-timeout", type=float, default=3600.0, help="seconds before the replicas are stopped")
     add("--seed", type=int, default=0)
@@ -218,6 +221,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     if opts.warmup_steps < 0:
         parser.error("--warmup-steps must be >= 0")
+    from crf_diloco.wire import parse_codec
+
+    try:
+        parse_codec(opts.codec)
+    except ValueError as exc:
+        parser.error(f"--codec: {exc}")
     weights = {"grpo": opts.grpo_weight, "sdpo_jsd": opts.sdpo_weight, "trace_replay_dpo": opts.dpo_weight}
     if any(not weights[c] > 0 for c in opts.channels):
         parser.error(f"every channel in --channels needs a weight > 0, got {weights}")
@@ -358,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> Any:
     channels = tuple(c for c in CHANNELS if opts.weights[c] > 0) if opts.trainer == "crf" else (opts.trainer,)
     print(
         f"crf main job: {' + '.join(channels)}; {opts.replicas} replica processes ({opts.executor} executor) x "
-        f"{opts.steps} steps, DiLoCo round every {opts.sync_every}; model {opts.model} on {opts.device}; "
+        f"{opts.steps} steps, DiLoCo round every {opts.sync_every}"
+        f"{'' if opts.codec == 'fp32' else f' ({opts.codec} on the wire)'}; model {opts.model} on {opts.device}; "
         f"store {store}; output {output}",
         flush=True,
     )
@@ -447,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
         outer_lr=opts.outer_lr,
         outer_momentum=opts.outer_momentum,
         sync_timeout=opts.sync_timeout,
+        codec=opts.codec,
         isolation=isolation,
         sandbox_timeout=opts.sandbox_timeout,
         seed=opts.seed,

@@ -63,6 +63,7 @@ class JobSpec:
     outer_lr: float
     outer_momentum: float
     sync_timeout: float
+    codec: str  # wire codec of the outer gradients (crf_diloco.wire.parse_codec): "fp32" sends them uncompressed
     isolation: str
     sandbox_timeout: float
     seed: int
@@ -72,6 +73,9 @@ class JobSpec:
     def __post_init__(self) -> None:
         if sorted(self.weights) != sorted(CHANNELS):
             raise ValueError(f"weights must name exactly the channels {CHANNELS}, got {sorted(self.weights)}")
+        from crf_diloco.wire import parse_codec
+
+        parse_codec(self.codec)  # a ValueError naming the codecs there are
         if self.steps < 1 or self.sync_every < 1 or self.steps % self.sync_every:
             raise ValueError(f"steps ({self.steps}) must be a positive multiple of sync_every ({self.sync_every})")
 

@@ -158,13 +158,14 @@ def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
         "",
         "| replica | "
         + " | ".join(f"{c} loss (first → last fifth)" for c in outcome.channels)
-        + " | rounds | MB synced |",
-        "|---" * (len(outcome.channels) + 3) + "|",
+        + " | rounds | MB synced | MB per round |",
+        "|---" * (len(outcome.channels) + 4) + "|",
     ]
     for r in outcome.replicas:
         cells = [_span(_losses(r, c)).replace("->", "→") for c in outcome.channels]
         mb = (r.bytes_written + r.bytes_read) / 1e6
-        lines.append(f"| {r.rank} | " + " | ".join(cells) + f" | {r.rounds_committed} | {mb:.2f} |")
+        per_round = mb / max(1, r.rounds_committed)
+        lines.append(f"| {r.rank} | " + " | ".join(cells) + f" | {r.rounds_committed} | {mb:.2f} | {per_round:.3f} |")
     same = "bit-identical" if outcome.identical_weights else "**different** (a round did not commit everywhere)"
     phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in outcome.phases.items())
     lines += [

@@ -145,7 +145,7 @@ def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleTyp
         sdpo_top_k=20,
         sdpo_routing="all",
         sdpo_group_weight="uniform", trainer="crf", outer_lr=1.0,
-        outer_momentum=0.0, sync_timeout=60.0, isolation="bwrap", sandbox_timeout=3.0, seed=0,
+        outer_momentum=0.0, sync_timeout=60.0, codec="topk:41/4096", isolation="bwrap", sandbox_timeout=3.0, seed=0,
         threads=1, device="cpu",
     )  # fmt: skip
     path = tmp_path / "job.json"
@@ -162,6 +162,8 @@ def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleTyp
         JobSpec(**{**data, "steps": 15})
     with pytest.raises(ValueError, match="exactly the channels"):
         JobSpec(**{**data, "weights": {"grpo": 1.0}})
+    with pytest.raises(ValueError, match="codec must be one of"):
+        JobSpec(**{**data, "codec": "zip"})
 
 
 # --------------------------------------------------------------------------- evaluation arithmetic
