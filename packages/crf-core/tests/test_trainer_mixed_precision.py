@@ -30,7 +30,9 @@ import pytest
 pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
 
 import torch
+import trl as trl_package
 from datasets import Dataset
+from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
 from crf_core.channels import ChunkPlan, LMHead, score_completions
@@ -139,13 +141,23 @@ def _max(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def model() -> Any:
     return _model()
 
 
-@pytest.mark.parametrize("cast", [False, True], ids=["bf16-head", "cast_lm_head_to_fp32"])
-def test_bf16_scores_loss_and_gradients_match_trls_own_scorer(tmp_path: Path, model: Any, cast: bool) -> None:
+@pytest.mark.skipif(
+    Version(trl_package.__version__) < Version("1.16"), reason="the parity is with TRL 1.16's fused LM head"
+)
+@pytest.mark.parametrize(
+    ("cast", "dtype"),
+    [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)],
+    ids=["bf16-head", "cast_lm_head_to_fp32", "bf16-model"],
+)
+def test_bf16_scores_loss_and_gradients_match_trls_own_scorer(
+    tmp_path: Path, model: Any, cast: bool, dtype: torch.dtype
+) -> None:
+    model = model.to(dtype) if dtype != torch.float32 else model
     trl = _trl(tmp_path, model, bf16=True, cast=cast)
     ours = _crf(tmp_path, model, bf16=True, cast=cast)
     assert trl.accelerator.mixed_precision == ours.accelerator.mixed_precision == "bf16"
@@ -156,17 +168,20 @@ def test_bf16_scores_loss_and_gradients_match_trls_own_scorer(tmp_path: Path, mo
     got_lp, got_h = _scores(ours, batch)
     fp32_lp, _ = _scores(_crf(tmp_path, model, bf16=False, cast=False), batch)
     print(
-        f"\n[cast_lm_head_to_fp32={cast}] max|crf-trl| logp {_max(got_lp, want_lp):.3g} entropy "
+        f"\n[cast_lm_head_to_fp32={cast} model {dtype}] max|crf-trl| logp {_max(got_lp, want_lp):.3g} entropy "
         f"{_max(got_h, want_h):.3g}; max|crf fp32 - trl bf16| logp {_max(fp32_lp, want_lp):.3g}"
     )
     assert _max(got_lp, want_lp) <= LOGP_ATOL
     assert _max(got_h, want_h) <= LOGP_ATOL
-    # the tolerance separates: crf in float32 is far outside it, so crf in bf16 follows TRL's rounding
-    assert _max(fp32_lp, want_lp) > 5 * LOGP_ATOL
+    if dtype == torch.float32:
+        # the tolerance separates: crf in float32 is far outside it, so crf in bf16 follows TRL's rounding
+        assert _max(fp32_lp, want_lp) > 5 * LOGP_ATOL
 
     want = trl.compute_loss(trl.model, dict(batch))
     got = ours.compute_loss(ours.model, dict(batch))
-    print(f"[cast_lm_head_to_fp32={cast}] loss crf {float(got.detach()):.8g} trl {float(want.detach()):.8g}")
+    print(
+        f"[cast_lm_head_to_fp32={cast} model {dtype}] loss crf {float(got.detach()):.8g} trl {float(want.detach()):.8g}"
+    )
     assert torch.allclose(got.detach().double(), want.detach().double(), rtol=1e-5, atol=1e-8)
     g_want = torch.autograd.grad(want, list(trl.model.parameters()))
     g_got = torch.autograd.grad(got, list(ours.model.parameters()))
@@ -175,7 +190,7 @@ def test_bf16_scores_loss_and_gradients_match_trls_own_scorer(tmp_path: Path, mo
         rel = float((a.double() - b.double()).norm()) / (float(b.double().norm()) + 1e-12)
         worst = max(worst, rel)
         assert float((a.double() - b.double()).norm()) <= 1e-4 * float(b.double().norm()) + 1e-9
-    print(f"[cast_lm_head_to_fp32={cast}] worst relative gradient difference {worst:.3g}")
+    print(f"[cast_lm_head_to_fp32={cast} model {dtype}] worst relative gradient difference {worst:.3g}")
 
 
 def test_bf16_changes_every_channel_and_fp32_is_unchanged(tmp_path: Path, model: Any) -> None:
@@ -184,7 +199,8 @@ def test_bf16_changes_every_channel_and_fp32_is_unchanged(tmp_path: Path, model:
     channels = {"sdpo_weight": 1.0, "sdpo_top_k": 8, "trace_replay_dpo_weight": 1.0}
     bf16 = _crf(tmp_path, model, bf16=True, cast=False, **channels)
     fp32 = _crf(tmp_path, model, bf16=False, cast=False, **channels)
-    assert fp32._head_dtype is None and fp32._autocast is None
+    assert fp32._head_dtype is None
+    assert fp32._autocast is None
     batch = _batch(bf16.model.config.vocab_size)
 
     # float32: bit for bit the plain chunked head (no autocast, no head dtype), i.e. the numbers before this change
@@ -196,7 +212,9 @@ def test_bf16_changes_every_channel_and_fp32_is_unchanged(tmp_path: Path, model:
         )
         fp32_lp, fp32_h, _ = fp32._get_per_token_logps_and_entropies(fp32.model, ids, mask, C, compute_entropy=True)
     assert torch.equal(fp32_lp, plain.logps)
-    assert fp32_h is not None and plain.entropies is not None and torch.equal(fp32_h, plain.entropies)
+    assert fp32_h is not None
+    assert plain.entropies is not None
+    assert torch.equal(fp32_h, plain.entropies)
 
     bf16_lp, _ = _scores(bf16, batch)
     real = batch["completion_mask"].bool()
@@ -232,13 +250,16 @@ def test_bf16_changes_every_channel_and_fp32_is_unchanged(tmp_path: Path, model:
     assert calls >= 3  # SDPO's teacher and student, DPO's policy (its 'initial' reference is precomputed)
     assert seen[:calls] == [(True, torch.bfloat16)] * calls
     assert not any(enabled for enabled, _ in seen[calls:])
-    print(f"SDPO bf16 {values['bf16'][0]:.8g} fp32 {values['fp32'][0]:.8g}; DPO chosen logps {values['bf16'][1]:.8g} "
-          f"fp32 {values['fp32'][1]:.8g}")
+    print(
+        f"SDPO bf16 {values['bf16'][0]:.8g} fp32 {values['fp32'][0]:.8g}; DPO chosen logps {values['bf16'][1]:.8g} "
+        f"fp32 {values['fp32'][1]:.8g}"
+    )
     for got, want in zip(values["bf16"], values["fp32"], strict=True):
         assert got != want
         assert got == pytest.approx(want, rel=5e-2, abs=1e-3)
     # the DPO 'initial' reference was scored at construction in the same regime
-    assert bf16._pair_ref is not None and fp32._pair_ref is not None
+    assert bf16._pair_ref is not None
+    assert fp32._pair_ref is not None
     assert not torch.equal(bf16._pair_ref[0], fp32._pair_ref[0])
 
 

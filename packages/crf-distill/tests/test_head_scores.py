@@ -153,11 +153,14 @@ def test_head_dtype_is_trls_mixed_precision_head(gen, chunk_size) -> None:  # ty
     plain = head_scores(hidden, weight, labels, **kw)
     fp32 = head_scores(hidden, weight, labels, head_dtype=torch.float32, **kw)
     assert torch.equal(plain.logprobs, fp32.logprobs)
-    assert plain.entropy is not None and fp32.entropy is not None and torch.equal(plain.entropy, fp32.entropy)
+    assert plain.entropy is not None
+    assert fp32.entropy is not None
+    assert torch.equal(plain.entropy, fp32.entropy)
     assert not torch.equal(plain.logprobs, out.logprobs)
     full = head_scores(hidden, weight, labels, head_dtype=torch.bfloat16, **{**kw, "chunk_size": None})
     torch.testing.assert_close(out.logprobs, full.logprobs, rtol=0, atol=1e-6)
-    assert out.entropy is not None and full.entropy is not None
+    assert out.entropy is not None
+    assert full.entropy is not None
     loss = out.logprobs.sum() + out.entropy.sum()
     grads = torch.autograd.grad(loss, [hidden, weight, bias])
     want = torch.autograd.grad(full.logprobs.sum() + full.entropy.sum(), [hidden, weight, bias])

@@ -267,15 +267,13 @@ class _ChunkedFused(torch.autograd.Function):
         values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
         live = list(zip(terms, weights, scales, strict=True))
         w, b = head_operands(weight, bias, head_dtype)
-        w_grad = grad_operand(w, head_dtype) if any(ctx.needs_input_grad[:1]) else w
+        w_grad = grad_operand(w, head_dtype) if ctx.needs_input_grad[0] else w
         for start, stop, h, z, rows in _chunks(hidden, w, b, temperature, chunk_size, head_dtype):
             dz, sums = weighted_vjp(z, rows, start, stop, live)
             for total, part in zip(values, sums, strict=True):
                 total += part
             if dz is not None:
-                accumulate_head_grads(
-                    dz, h, w_grad, temperature, *_rows_of(grads, start, stop), head_dtype=head_dtype
-                )
+                accumulate_head_grads(dz, h, w_grad, temperature, *_rows_of(grads, start, stop), head_dtype=head_dtype)
         ctx.save_for_backward(hidden, weight, bias, *weights, *(g if g is not None else torch.empty(0) for g in grads))
         ctx.present = tuple(g is not None for g in grads)
         ctx.terms, ctx.scales, ctx.temperature, ctx.chunk_size = terms, scales, temperature, chunk_size

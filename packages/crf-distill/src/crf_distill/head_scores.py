@@ -31,9 +31,10 @@ the logits to float32 for the log-softmax, entropy and every term; with ``cast_l
 float32 outside autocast. ``head_dtype=torch.bfloat16`` (or ``float16``/``float32``) reproduces that: the
 projection runs in ``head_dtype`` with autocast disabled around it (so the dtype is exactly the one asked for,
 whatever context the caller is in), the weight is cast once per call (not per chunk), the logits are upcast to
-float32 (float64 for float64 hidden states), and the chunked backward recomputes the same rounded logits; its
-``∂L/∂h`` product runs in ``head_dtype`` (as autocast's linear backward) and ``∂L/∂W`` accumulates in float32 from
-the rounded hidden states. ``head_dtype=None`` (the default) is the rule above, unchanged.
+float32 (float64 for float64 hidden states), and the chunked backward recomputes the same rounded logits and
+follows TRL's backward: ``∂L/∂z`` rounded to ``head_dtype``, then ``∂L/∂h`` and ``∂L/∂W`` as float32-accumulated
+products of the rounded operands (a float32-output GEMM of half operands on CUDA, the half values upcast once
+per call elsewhere). ``head_dtype=None`` (the default) is the rule above, unchanged.
 """
 
 from __future__ import annotations

@@ -200,15 +200,16 @@ class ComposerReplicationTrainer(GRPOTrainer):
             amp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         autocast = self.accelerator.autocast if amp is not None else None
         head = LMHead(self.model, self._chunk_plan, unwrap=self.accelerator.unwrap_model)
+        cast = bool(getattr(args, "cast_lm_head_to_fp32", False))
         crf_channels = args.sdpo_weight > 0 or args.trace_replay_dpo_weight > 0
-        if args.cast_lm_head_to_fp32 and not head.separable and crf_channels:
+        if cast and not head.separable and crf_channels:
             raise ValueError(
                 f"cast_lm_head_to_fp32=True cannot be honoured by the SDPO / trace-replay DPO channels for this model: "
                 f"its LM head cannot be run apart from it ({head.reason}), so its own forward runs the head under "
                 "autocast; set cast_lm_head_to_fp32=False, or turn those channels off (sdpo_weight=0, "
                 "trace_replay_dpo_weight=0: GRPO alone then uses TRL's own fused head, which honours it)"
             )
-        if args.cast_lm_head_to_fp32:
+        if cast:
             return torch.float32, autocast
         if amp is None or not head.separable:
             return None, autocast
