@@ -70,6 +70,7 @@ def _child(args: argparse.Namespace) -> None:
             "save_strategy": "no",
             "report_to": [],
             "use_cpu": True,
+            "bf16": False,  # float32 for every trainer (GRPOConfig's default is bf16 autocast)
             "disable_tqdm": True,
             "seed": 0,
         }

@@ -47,6 +47,7 @@ def common(out: str, steps: int) -> dict[str, Any]:
         "save_strategy": "no",
         "report_to": [],
         "use_cpu": True,
+        "bf16": False,  # float32 for every trainer (GRPOConfig's default is bf16 autocast)
         "disable_tqdm": True,
         "gradient_checkpointing": False,
         "seed": 0,
