@@ -206,6 +206,8 @@ def test_channels_flag_and_bad_arguments(composer_main: ModuleType) -> None:
         ["--temperature", "nan"],
         ["--outer-momentum", "1"],
         ["--max-completion-length", "0"],
+        ["--codec", "zip"],
+        ["--codec", "topk:0/4096"],
     ):
         with pytest.raises(SystemExit):
             main.parse_args(argv)
