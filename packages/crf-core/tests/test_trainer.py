@@ -67,9 +67,6 @@ def _config(tmp_path: Path, **overrides: Any) -> ComposerConfig:
         "disable_tqdm": True,
         "seed": 0,
         "sdpo_top_k": 8,
-        # the references below are plain float32 PyTorch; GRPOConfig defaults to bf16=True, which the trainer
-        # honours (bf16 autocast + a bf16 LM head, test_trainer_mixed_precision.py), so these tests say float32
-        "bf16": False,
     }
     base.update(overrides)
     return ComposerConfig(**base)

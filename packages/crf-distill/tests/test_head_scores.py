@@ -133,45 +133,6 @@ def test_float32_and_bfloat16_heads(gen) -> None:  # type: ignore[no-untyped-def
     torch.testing.assert_close(g.double(), want_g, rtol=0, atol=3e-2 * float(want_g.abs().max()))
 
 
-@pytest.mark.parametrize("chunk_size", [None, 6])
-def test_head_dtype_is_trls_mixed_precision_head(gen, chunk_size) -> None:  # type: ignore[no-untyped-def]
-    """``head_dtype=bfloat16`` on float32 operands: TRL 1.16's autocast head (bf16 product, bias added in bf16,
-    float32 log-softmax), whatever autocast context surrounds the call; ``head_dtype=float32`` on float32 operands
-    is bit for bit the default; chunked equals materialised, and the gradients reach the float32 parameters."""
-    hidden = torch.randn(N, H, generator=gen, requires_grad=True)
-    weight = torch.randn(V, H, generator=gen, requires_grad=True)
-    bias = torch.randn(V, generator=gen, requires_grad=True)
-    labels = torch.randint(0, V, (N,), generator=gen)
-    kw = {"bias": bias, "entropy": True, "temperature": 0.7, "chunk_size": chunk_size}
-    z = ((hidden.bfloat16() @ weight.bfloat16().t() + bias.bfloat16()).float() / 0.7).detach()
-    want_lp = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
-    for context in (torch.autocast("cpu", enabled=False), torch.autocast("cpu", dtype=torch.float16)):
-        with context:
-            out = head_scores(hidden, weight, labels, head_dtype=torch.bfloat16, **kw)
-        assert out.logprobs.dtype == torch.float32
-        torch.testing.assert_close(out.logprobs, want_lp, rtol=0, atol=1e-6)
-    plain = head_scores(hidden, weight, labels, **kw)
-    fp32 = head_scores(hidden, weight, labels, head_dtype=torch.float32, **kw)
-    assert torch.equal(plain.logprobs, fp32.logprobs)
-    assert plain.entropy is not None
-    assert fp32.entropy is not None
-    assert torch.equal(plain.entropy, fp32.entropy)
-    assert not torch.equal(plain.logprobs, out.logprobs)
-    full = head_scores(hidden, weight, labels, head_dtype=torch.bfloat16, **{**kw, "chunk_size": None})
-    torch.testing.assert_close(out.logprobs, full.logprobs, rtol=0, atol=1e-6)
-    assert out.entropy is not None
-    assert full.entropy is not None
-    loss = out.logprobs.sum() + out.entropy.sum()
-    grads = torch.autograd.grad(loss, [hidden, weight, bias])
-    want = torch.autograd.grad(full.logprobs.sum() + full.entropy.sum(), [hidden, weight, bias])
-    for g, w in zip(grads, want, strict=True):
-        assert g.dtype == torch.float32
-        # the chunked backward rounds ∂L/∂z to bf16 (TRL's backward); autograd's materialised one does not
-        torch.testing.assert_close(g, w, rtol=0, atol=2e-2 * float(w.abs().max()))
-    with pytest.raises(ValueError, match="head_dtype"):
-        head_scores(hidden, weight, labels, head_dtype=torch.int8)
-
-
 def test_bad_inputs_name_the_problem(gen, rand) -> None:  # type: ignore[no-untyped-def]
     hidden, weight, _, labels, _ = _setup(gen, rand, bias=False)
     with pytest.raises(ValueError, match="lm_head"):

@@ -31,12 +31,9 @@ from crf_distill.head_scores import (
     accumulate_head_grads,
     check_chunk_size,
     check_head,
-    check_head_dtype,
     check_row_terms,
     check_temperature,
-    grad_operand,
     head_logits,
-    head_operands,
     head_scores,
     weighted_vjp,
 )
@@ -208,7 +205,6 @@ def chunked_weighted_sums(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = 1024,
-    head_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``values[k] = Σ_r weights[k][r]·terms[k].fn(z_r)`` and ``total = Σ_k scales[k]·values[k]`` over the rows of
     ``z = (h Wᵀ + b) / τ``, chunked, with the total's gradient taken in the forward (see the module docstring).
@@ -216,8 +212,7 @@ def chunked_weighted_sums(
     Args:
         hidden: ``(N, H)``. weight: ``(V, H)``; bias: ``(V,)``. terms: the row functions (their ``active``
             masks skip rows). weights: one ``(N,)`` tensor per term (e.g. a normalised mask). scales: one float
-            per term. temperature: ``τ > 0``. chunk_size: rows per chunk. head_dtype: dtype of the projection
-        (mixed precision, see ``crf_distill.head_scores``); ``None``: the weight's.
+            per term. temperature: ``τ > 0``. chunk_size: rows per chunk.
 
     Returns:
         ``(total, values)``, all differentiable 0-d tensors (no double backward).
@@ -230,7 +225,6 @@ def chunked_weighted_sums(
     for k, w in enumerate(weights):
         check_mask(f"weights[{k}]", w, hidden.shape[:1])
     check_temperature(temperature)
-    check_head_dtype(head_dtype)
     out = _ChunkedFused.apply(
         hidden,
         weight,
@@ -240,7 +234,6 @@ def chunked_weighted_sums(
         tuple(float(s) for s in scales),
         float(temperature),
         chunk_size,
-        head_dtype,
     )
     return out[0], list(out[1:])
 
@@ -259,25 +252,21 @@ class _ChunkedFused(torch.autograd.Function):
         scales: tuple[float, ...],
         temperature: float,
         chunk_size: int,
-        head_dtype: torch.dtype | None,
     ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         dtype = compute_dtype(hidden)
         grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
         values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
         live = list(zip(terms, weights, scales, strict=True))
-        w, b = head_operands(weight, bias, head_dtype)
-        w_grad = grad_operand(w, head_dtype) if ctx.needs_input_grad[0] else w
-        for start, stop, h, z, rows in _chunks(hidden, w, b, temperature, chunk_size, head_dtype):
+        for start, stop, h, z, rows in _chunks(hidden, weight, bias, temperature, chunk_size):
             dz, sums = weighted_vjp(z, rows, start, stop, live)
             for total, part in zip(values, sums, strict=True):
                 total += part
             if dz is not None:
-                accumulate_head_grads(dz, h, w_grad, temperature, *_rows_of(grads, start, stop), head_dtype=head_dtype)
+                accumulate_head_grads(dz, h, weight, temperature, *_rows_of(grads, start, stop))
         ctx.save_for_backward(hidden, weight, bias, *weights, *(g if g is not None else torch.empty(0) for g in grads))
         ctx.present = tuple(g is not None for g in grads)
         ctx.terms, ctx.scales, ctx.temperature, ctx.chunk_size = terms, scales, temperature, chunk_size
-        ctx.head_dtype = head_dtype
         total = sum((s * v for s, v in zip(scales, values, strict=True)), torch.zeros((), dtype=dtype))
         return (total.to(hidden.device), *values)
 
@@ -293,19 +282,14 @@ class _ChunkedFused(torch.autograd.Function):
         if live:  # a term's own value was used: recompute its chunks
             dtype = compute_dtype(hidden)
             grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
-            head_dtype = ctx.head_dtype
-            w, b = head_operands(weight, bias, head_dtype)
-            w_grad = grad_operand(w, head_dtype) if ctx.needs_input_grad[0] else w
-            for start, stop, h, z, rows in _chunks(hidden, w, b, ctx.temperature, ctx.chunk_size, head_dtype):
+            for start, stop, h, z, rows in _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size):
                 dz, _ = weighted_vjp(z, rows, start, stop, live)
                 if dz is not None:
-                    accumulate_head_grads(
-                        dz, h, w_grad, ctx.temperature, *_rows_of(grads, start, stop), head_dtype=head_dtype
-                    )
+                    accumulate_head_grads(dz, h, weight, ctx.temperature, *_rows_of(grads, start, stop))
             out = [a if b is None else b if a is None else a + b for a, b in zip(out, grads, strict=True)]
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         result = [None if g is None or d is None else g.to(d) for g, d in zip(out, dtypes, strict=True)]
-        return (*result, None, None, None, None, None, None)
+        return (*result, None, None, None, None, None)
 
 
 def _grad_buffers(
@@ -331,19 +315,14 @@ def _rows_of(
 
 
 def _chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    chunk_size: int,
-    head_dtype: torch.dtype | None = None,
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, chunk_size: int
 ) -> Any:
     """``(start, stop, h, logits, rows)`` for each chunk of rows."""
     n = hidden.shape[0]
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         h = hidden[start:stop]
-        z = head_logits(h, weight, bias, temperature, head_dtype=head_dtype)
+        z = head_logits(h, weight, bias, temperature)
         yield start, stop, h, z, torch.arange(start, stop, device=hidden.device)
 
 

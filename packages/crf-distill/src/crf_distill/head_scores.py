@@ -24,17 +24,6 @@ Two executions with the same math:
   gradient inside the forward, which needs the loss to be a fixed linear function of the rows).
 
 Half-precision heads multiply in their own dtype and upcast the logits to float32; float64 stays float64.
-
-Mixed precision (``head_dtype``): TRL 1.16's fused LM head multiplies in the autocast dtype when autocast is on
-(``hidden`` and ``weight`` cast to it, the bias added in it, the ``(n, V)`` product rounded to it), then upcasts
-the logits to float32 for the log-softmax, entropy and every term; with ``cast_lm_head_to_fp32`` it multiplies in
-float32 outside autocast. ``head_dtype=torch.bfloat16`` (or ``float16``/``float32``) reproduces that: the
-projection runs in ``head_dtype`` with autocast disabled around it (so the dtype is exactly the one asked for,
-whatever context the caller is in), the weight is cast once per call (not per chunk), the logits are upcast to
-float32 (float64 for float64 hidden states), and the chunked backward recomputes the same rounded logits and
-follows TRL's backward: ``∂L/∂z`` rounded to ``head_dtype``, then ``∂L/∂h`` and ``∂L/∂W`` as float32-accumulated
-products of the rounded operands (a float32-output GEMM of half operands on CUDA, the half values upcast once
-per call elsewhere). ``head_dtype=None`` (the default) is the rule above, unchanged.
 """
 
 from __future__ import annotations
@@ -79,25 +68,10 @@ class HeadScores:
 
 
 def head_logits(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    *,
-    head_dtype: torch.dtype | None = None,
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, temperature: float = 1.0
 ) -> torch.Tensor:
-    """``(h Wᵀ + b) / τ`` in float32 (float64 for float64 inputs); half-precision heads multiply natively.
-
-    ``head_dtype``: multiply (and add the bias) in that dtype, autocast off, then upcast (see the module docstring).
-    """
+    """``(h Wᵀ + b) / τ`` in float32 (float64 for float64 inputs); half-precision heads multiply natively."""
     dtype = compute_dtype(hidden)
-    if head_dtype is not None:
-        with torch.autocast(hidden.device.type, enabled=False):
-            z = hidden.to(head_dtype) @ weight.to(head_dtype).t()
-            if bias is not None:
-                z = z + bias.to(head_dtype)
-        z = z.to(dtype)
-        return z if temperature == 1.0 else z / temperature
     if weight.dtype in (torch.float16, torch.bfloat16):
         z = (hidden.to(weight.dtype) @ weight.t()).to(dtype)
         if bias is not None:
@@ -134,19 +108,17 @@ class _ChunkedHeadScores(torch.autograd.Function):
         want_entropy: bool,
         temperature: float,
         chunk_size: int,
-        head_dtype: torch.dtype | None,
     ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         dtype = compute_dtype(hidden)
-        w, b = head_operands(weight, bias, head_dtype)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = (torch.empty if want_entropy else torch.zeros)(n, dtype=dtype, device=hidden.device)
         values = [torch.zeros(n, dtype=dtype, device=hidden.device) for _ in terms]
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
-            z = head_logits(hidden[start:stop], w, b, temperature, head_dtype=head_dtype)
+            z = head_logits(hidden[start:stop], weight, bias, temperature)
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse[start:stop]
             if want_entropy:
@@ -164,7 +136,6 @@ class _ChunkedHeadScores(torch.autograd.Function):
         ctx.want_entropy = want_entropy
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        ctx.head_dtype = head_dtype
         outputs = [logprobs, entropy, *values]
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -186,14 +157,11 @@ class _ChunkedHeadScores(torch.autograd.Function):
         )
         live_terms = [(t, g, 1.0) for t, g in zip(ctx.terms, g_terms, strict=True) if g is not None]
         if g_lp is None and g_h is None and not live_terms:
-            return (None,) * 9
-        head_dtype = ctx.head_dtype
-        w, b = head_operands(weight, bias, head_dtype)
-        w_grad = grad_operand(w, head_dtype)
+            return (None,) * 8
         for start in range(0, n, ctx.chunk_size):
             stop = min(start + ctx.chunk_size, n)
             h = hidden[start:stop]
-            z = head_logits(h, w, b, ctx.temperature, head_dtype=head_dtype)
+            z = head_logits(h, weight, bias, ctx.temperature)
             rows = torch.arange(start, stop, device=hidden.device)
             dz, _ = weighted_vjp(z, rows, start, stop, live_terms)  # ∂(Σ_k g_k·term_k)/∂z, or None
             if g_lp is not None or g_h is not None:
@@ -215,14 +183,7 @@ class _ChunkedHeadScores(torch.autograd.Function):
             if dz is None:  # nothing flows back through this chunk
                 continue
             accumulate_head_grads(
-                dz,
-                h,
-                w_grad,
-                ctx.temperature,
-                None if grad_h is None else grad_h[start:stop],
-                grad_w,
-                grad_b,
-                head_dtype=head_dtype,
+                dz, h, weight, ctx.temperature, None if grad_h is None else grad_h[start:stop], grad_w, grad_b
             )
             del z, dz
         return (
@@ -234,33 +195,7 @@ class _ChunkedHeadScores(torch.autograd.Function):
             None,
             None,
             None,
-            None,
         )
-
-
-def head_operands(
-    weight: torch.Tensor, bias: torch.Tensor | None, head_dtype: torch.dtype | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias as one call's chunks use them: cast once to ``head_dtype`` (no-op without one)."""
-    if head_dtype is None:
-        return weight, bias
-    with torch.no_grad():
-        return weight.to(head_dtype), None if bias is None else bias.to(head_dtype)
-
-
-def grad_operand(weight: torch.Tensor, head_dtype: torch.dtype | None) -> torch.Tensor:
-    """The head weight (already in ``head_dtype``) as the backward's ``∂L/∂h`` product takes it: kept in half
-    precision where a float32-output product of half operands exists (CUDA, torch >= 2.8), else upcast once per
-    call (the values stay the rounded ones) so that product runs in float32."""
-    if head_dtype is None or weight.dtype not in (torch.float16, torch.bfloat16):
-        return weight
-    if weight.device.type == "cuda" and _MM_OUT_DTYPE:
-        return weight
-    with torch.no_grad():
-        return weight.float()
-
-
-_MM_OUT_DTYPE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
 def weighted_vjp(
@@ -301,32 +236,11 @@ def accumulate_head_grads(
     grad_h: torch.Tensor | None,
     grad_w: torch.Tensor | None,
     grad_b: torch.Tensor | None,
-    *,
-    head_dtype: torch.dtype | None = None,
 ) -> None:
     """Turn one chunk's ``∂L/∂z`` (temperature-scaled logits) into its ``∂L/∂h`` rows (written to ``grad_h``, the
-    chunk's slice) and add its ``∂L/∂W`` and ``∂L/∂b`` contributions in place.
-
-    With ``head_dtype`` (``weight`` from :func:`grad_operand`): TRL's fused-head backward, i.e. ``∂L/∂z`` rounded
-    to ``head_dtype``, then both products of ``head_dtype`` operands (the hidden states rounded as the forward
-    multiplied them) accumulated in float32 without rounding the products, autocast off."""
+    chunk's slice) and add its ``∂L/∂W`` and ``∂L/∂b`` contributions in place."""
     if temperature != 1.0:
         dz = dz / temperature
-    if head_dtype is not None:
-        acc = grad_h.dtype if grad_h is not None else dz.dtype
-        dz_r = dz.to(head_dtype)
-        with torch.autocast(dz.device.type, enabled=False):
-            if grad_h is not None:
-                if weight.dtype in (torch.float16, torch.bfloat16) and acc == torch.float32:
-                    # CUDA (grad_operand): half operands, float32 output, as TRL's `_addmm_fp32` (grad_h is zeros)
-                    torch.addmm(grad_h, dz_r, weight, out_dtype=torch.float32, out=grad_h)
-                else:
-                    torch.mm(dz_r.to(acc), weight.to(acc), out=grad_h)
-            if grad_w is not None:
-                grad_w.addmm_(dz_r.t().to(grad_w.dtype), h.to(head_dtype).to(grad_w.dtype))
-            if grad_b is not None:
-                grad_b.add_(dz_r.sum(0, dtype=grad_b.dtype))
-        return
     if grad_h is not None:
         if weight.dtype in (torch.float16, torch.bfloat16):
             grad_h.copy_((dz.to(weight.dtype) @ weight).to(grad_h.dtype))
@@ -367,13 +281,6 @@ def check_temperature(temperature: float) -> None:
         raise ValueError(f"`temperature` must be a float > 0, got {temperature!r}")
 
 
-def check_head_dtype(head_dtype: torch.dtype | None) -> None:
-    """``None`` or a floating dtype the projection can run in."""
-    allowed = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-    if head_dtype is not None and head_dtype not in allowed:
-        raise ValueError(f"`head_dtype` must be None or one of {allowed}, got {head_dtype!r}")
-
-
 def check_chunk_size(chunk_size: int | None, *, optional: bool) -> None:
     """A positive int of rows per chunk (or None when ``optional``: materialise)."""
     if chunk_size is None and optional:
@@ -393,7 +300,6 @@ def head_scores(
     entropy: bool = False,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-    head_dtype: torch.dtype | None = None,
 ) -> HeadScores:
     """Label log-probs, entropies and per-row term values of ``z = (h Wᵀ + b) / τ`` (see the module docstring).
 
@@ -404,7 +310,6 @@ def head_scores(
         entropy: also return the per-row entropy (differentiable).
         temperature: ``τ > 0``, applied to the logits every output sees.
         chunk_size: rows per chunk; ``None`` materialises the ``(N, V)`` logits.
-        head_dtype: dtype of the projection (mixed precision, see the module docstring); ``None``: the weight's.
 
     Returns:
         :class:`HeadScores`; ``logprobs``/``entropy``/``values`` in float32 (float64 for float64 hidden).
@@ -415,14 +320,10 @@ def head_scores(
     check_row_terms(terms, hidden.shape[0])
     check_temperature(temperature)
     check_chunk_size(chunk_size, optional=True)
-    check_head_dtype(head_dtype)
     labels = labels.long()
     if chunk_size is None:
-        z = head_logits(hidden, weight, bias, temperature, head_dtype=head_dtype)
-        return _scores_of(z, labels, terms, entropy)
-    out = _ChunkedHeadScores.apply(
-        hidden, weight, bias, labels, terms, entropy, float(temperature), chunk_size, head_dtype
-    )
+        return _scores_of(head_logits(hidden, weight, bias, temperature), labels, terms, entropy)
+    out = _ChunkedHeadScores.apply(hidden, weight, bias, labels, terms, entropy, float(temperature), chunk_size)
     return HeadScores(out[0], out[1] if entropy else None, tuple(out[2:]))
 
 

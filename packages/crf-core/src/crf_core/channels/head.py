@@ -11,17 +11,12 @@ would take more than ``auto_threshold_mb`` (64 MiB) in float32, e.g. 512 tokens 
 tokens at Qwen's 151,936; below that the materialised path is faster (no recompute in the backward) and its
 memory is small beside the optimizer state. Chunks hold ``chunk_budget_mb`` (8 MiB) of logits each (13 rows
 at 151,936) unless ``chunk_size`` fixes the rows.
-
-Mixed precision: ``autocast`` (a context-manager factory, the trainer's ``accelerator.autocast``) is entered
-around every decoder (or full-model) forward, and ``head_dtype`` is the dtype of the LM-head projection, applied
-explicitly (``crf_distill.head_scores``), so chunked backward recomputes and teacher projections outside the
-autocast region use the same numerics. Both unset is the plain behaviour (no autocast, the weight's own dtype).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -119,9 +114,6 @@ class LMHead:
         plan: the :class:`ChunkPlan`.
         unwrap: returns the model inside a wrapper (``accelerator.unwrap_model``); identity by default.
         temperature: logits are divided by it (TRL's sampling temperature).
-        head_dtype: dtype of the LM-head projection (the autocast dtype, or float32 for TRL's
-            ``cast_lm_head_to_fp32``); ``None`` multiplies in the weight's dtype (half stays half, else float32).
-        autocast: ``autocast()`` returns the context every model forward runs in; ``None``: none.
     """
 
     def __init__(
@@ -131,14 +123,9 @@ class LMHead:
         *,
         unwrap: Callable[[Any], Any] | None = None,
         temperature: float = 1.0,
-        head_dtype: torch.dtype | None = None,
-        autocast: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
-        self.head_dtype = head_dtype
-        self._autocast = autocast or nullcontext
-        self._cast: tuple[tuple[int, int], torch.Tensor, torch.Tensor | None] | None = None
         self.model = model
         self.plan = plan or ChunkPlan()
         self.temperature = float(temperature)
@@ -164,10 +151,9 @@ class LMHead:
 
     def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> HeadStates:
         """Run the model on ``(B, T)`` tokens: decoder states if the head is separable, else full logits."""
-        with self._autocast():
-            if self.separable:
-                return HeadStates(self._call(self._decoder_states, input_ids, attention_mask), is_logits=False)
-            return HeadStates(self._call(self._full_logits, input_ids, attention_mask), is_logits=True)
+        if self.separable:
+            return HeadStates(self._call(self._decoder_states, input_ids, attention_mask), is_logits=False)
+        return HeadStates(self._call(self._full_logits, input_ids, attention_mask), is_logits=True)
 
     def _decoder_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -212,7 +198,6 @@ class LMHead:
             entropy=entropy,
             temperature=self.temperature,
             chunk_size=chunk,
-            head_dtype=self.head_dtype,
         )
 
     def weighted_sums(
@@ -241,7 +226,6 @@ class LMHead:
                 bias=self.bias,
                 temperature=self.temperature,
                 chunk_size=chunk,
-                head_dtype=self.head_dtype,
             )
         labels = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
         scores = self.score(rows, labels, is_logits=is_logits, terms=terms)
@@ -250,18 +234,9 @@ class LMHead:
         return total, values
 
     def project(self, rows: torch.Tensor) -> torch.Tensor:
-        """No-grad ``(n, V)`` logits of ``(n, H)`` states (temperature applied), for teacher-like sources.
-
-        With a ``head_dtype`` the weight is cast once and reused while it is unchanged (teacher sources project
-        one chunk of rows at a time)."""
+        """No-grad ``(n, V)`` logits of ``(n, H)`` states (temperature applied), for teacher-like sources."""
         with torch.no_grad():
-            weight, bias = self.weight, self.bias
-            if self.head_dtype is not None and weight.dtype != self.head_dtype:
-                key = (weight.data_ptr(), weight._version)
-                if self._cast is None or self._cast[0] != key:
-                    self._cast = (key, weight.to(self.head_dtype), None if bias is None else bias.to(self.head_dtype))
-                weight, bias = self._cast[1], self._cast[2]
-            return head_logits(rows, weight, bias, self.temperature, head_dtype=self.head_dtype)
+            return head_logits(rows, self.weight, self.bias, self.temperature)
 
 
 def mean_weights(mask: torch.Tensor) -> torch.Tensor:

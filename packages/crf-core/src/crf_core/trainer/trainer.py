@@ -16,12 +16,6 @@ The same chunked scoring serves TRL's no-grad old/reference log-prob passes: the
 ``_get_per_token_logps_and_entropies``. Models without a separable linear head, multimodal batches and MoE
 auxiliary losses use TRL's own path (a warning says why).
 
-Mixed precision follows TRL 1.16's fused LM head: every channel's forwards (GRPO and its old/reference passes,
-the SDPO student and teacher, trace-replay DPO and its references) run under ``accelerator.autocast()``, and the
-chunked head multiplies in the autocast dtype (bf16/fp16), upcasting the logits to float32 for the
-log-softmax, or in float32 with ``cast_lm_head_to_fp32=True``. Without mixed precision nothing changes. A
-float64 model is left in float64 (autocast never casts float64; a warning says so).
-
 Metrics (``self._metrics``, averaged per logging step like TRL's, gathered over ranks): ``grpo``,
 ``sdpo_jsd`` and ``trace_replay_dpo`` (each channel's per-micro-batch value before weight and GA scaling;
 ``sdpo_jsd`` is 0.0 for a micro-batch without teacher signal), ``taid_t``, ``self_distillation/*`` (reprompting
@@ -167,7 +161,6 @@ class ComposerReplicationTrainer(GRPOTrainer):
         check_trainer_attributes(self)
         self.composer_args: ComposerConfig = args
         self._chunk_plan = args.chunk_plan()
-        self._head_dtype, self._autocast = self._resolve_precision(args)
         self._reprompt_config = args.reprompt_config()
         self._capture: tuple[list[Any], list[Any], torch.Tensor] | None = None
         self._feedback_calls: list[list[Any]] = []
@@ -198,39 +191,6 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.channel_costs, off = self._channel_costs()
         if self.accelerator.is_main_process:
             logger.info(startup_line(self.channel_costs, off))
-
-    def _resolve_precision(self, args: ComposerConfig) -> tuple[torch.dtype | None, Any]:
-        """The LM-head dtype and the autocast context of every scoring forward, TRL 1.16's way: the head multiplies
-        in the accelerator's autocast dtype (float32 with ``cast_lm_head_to_fp32``); None, None without either."""
-        device = self.accelerator.device.type
-        with self.accelerator.autocast():
-            amp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        autocast = self.accelerator.autocast if amp is not None else None
-        head = LMHead(self.model, self._chunk_plan, unwrap=self.accelerator.unwrap_model)
-        cast = bool(getattr(args, "cast_lm_head_to_fp32", False))
-        crf_channels = args.sdpo_weight > 0 or args.trace_replay_dpo_weight > 0
-        if cast and not head.separable and crf_channels:
-            raise ValueError(
-                f"cast_lm_head_to_fp32=True cannot be honoured by the SDPO / trace-replay DPO channels for this model: "
-                f"its LM head cannot be run apart from it ({head.reason}), so its own forward runs the head under "
-                "autocast; set cast_lm_head_to_fp32=False, or turn those channels off (sdpo_weight=0, "
-                "trace_replay_dpo_weight=0: GRPO alone then uses TRL's own fused head, which honours it)"
-            )
-        if cast:
-            return torch.float32, autocast
-        if amp is None or not head.separable:
-            return None, autocast
-        if head.weight.dtype == torch.float64:
-            if self.accelerator.is_main_process:
-                logger.warning(
-                    "crf: the model is float64, which autocast never casts: mixed precision (%s) leaves crf's "
-                    "scoring in float64 (TRL's fused head would round its LM head to %s); load the model in "
-                    "float32 or bfloat16 for mixed precision, or set bf16=False / fp16=False to say float64",
-                    self.accelerator.mixed_precision,
-                    amp,
-                )
-            return None, autocast
-        return amp, autocast
 
     def _channel_costs(self) -> tuple[list[ChannelCost], list[str]]:
         """The channels that are on, with the model copy each holds (its parameter bytes), and those that are off."""
@@ -300,17 +260,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return int(pad)
 
-    def _head(self, model: Any, *, temperature: float | None = None) -> LMHead:
-        """``model`` (as the step calls it, possibly DDP-wrapped) as decoder + chunked head, in the trainer's
-        precision regime (autocast around its forwards, the LM head in ``_head_dtype``)."""
-        return LMHead(
-            model,
-            self._chunk_plan,
-            unwrap=self.accelerator.unwrap_model,
-            temperature=self.temperature if temperature is None else temperature,
-            head_dtype=self._head_dtype,
-            autocast=self._autocast,
-        )
+    def _head(self, model: Any) -> LMHead:
+        """The policy (as the step calls it, possibly DDP-wrapped) as decoder + chunked head."""
+        return LMHead(model, self._chunk_plan, unwrap=self.accelerator.unwrap_model, temperature=self.temperature)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -621,7 +573,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         )
         with context as teacher_model, torch.no_grad():
             # Under PEFT the head is the frozen base's (AdapterEmaTeacher checks), so it may project later.
-            teacher = self._head(teacher_model)
+            teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature)
             return teacher, teacher.states(input_ids, attention_mask)
 
     def _sdpo_loss(self, model: Any, inputs: Mapping[str, Any], shared: _SharedSDPO, weights: torch.Tensor) -> Any:
@@ -711,7 +663,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _pair_logps(self, model: Any, batch: SequenceBatch) -> tuple[SequenceLogps, SequenceLogps]:
         """Chosen and rejected sequence log-probs (``P`` rows each) of a collated pair batch."""
-        logps = self.preference.sequence_logps(self._head(model, temperature=1.0), batch)
+        head = LMHead(model, self._chunk_plan, unwrap=self.accelerator.unwrap_model)
+        logps = self.preference.sequence_logps(head, batch)
         p = batch.input_ids.shape[0] // 2
         return logps.rows(slice(0, p)), logps.rows(slice(p, 2 * p))
 
