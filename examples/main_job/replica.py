@@ -92,8 +92,6 @@ def build_trainer(spec: JobSpec, rank: int, model: Any, tokenizer: Any, reward: 
         "save_strategy": "no",
         "report_to": [],
         "use_cpu": spec.device == "cpu",
-        # GRPOConfig defaults to bf16 autocast; every arm trains the CPU's tiny model in float32, bf16 on a GPU
-        "bf16": spec.device == "cuda",
         "disable_tqdm": True,
         "seed": spec.seed + 101 * rank,  # each replica samples its own rollouts
     }
