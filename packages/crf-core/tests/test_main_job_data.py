@@ -133,21 +133,23 @@ def test_bad_task_files_are_refused_naming_the_line(tasks: ModuleType, tmp_path:
         tasks.load_tasks(bad)
 
 
+SPEC: dict[str, Any] = dict(
+    output_dir="out", model_dir="m", train_tasks="t.jsonl", pairs=None, steps=20, sync_every=10,
+    prompts_per_step=2, generations=8, max_completion_length=12, lr=1e-3, temperature=1.0,
+    weights={"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}, sdpo_feedback=False, sdpo_alpha=0.5,
+    sdpo_top_k=20, sdpo_routing="all", sdpo_group_weight="uniform", trainer="crf", outer_lr=1.0,
+    outer_momentum=0.0, sync_timeout=60.0, codec="fp32", isolation="bwrap", sandbox_timeout=3.0, seed=0,
+    threads=1, device="cpu",
+)  # fmt: skip
+"""A valid `JobSpec`'s fields."""
+
+
 def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleType, tmp_path: Path) -> None:
     """``job.json`` is what a replica trusts: a missing or unknown field, or a schedule that does not end on a DiLoCo
     round, is refused naming the problem."""
     from main_job.records import JobSpec, read_record, write_record
 
-    spec = JobSpec(
-        output_dir="out", model_dir="m", train_tasks="t.jsonl", pairs=None, steps=20, sync_every=10,
-        prompts_per_step=2, generations=8, max_completion_length=12, lr=1e-3, temperature=1.0,
-        weights={"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}, sdpo_feedback=False, sdpo_alpha=0.5,
-        sdpo_top_k=20,
-        sdpo_routing="all",
-        sdpo_group_weight="uniform", trainer="crf", outer_lr=1.0,
-        outer_momentum=0.0, sync_timeout=60.0, codec="topk:41/4096", isolation="bwrap", sandbox_timeout=3.0, seed=0,
-        threads=1, device="cpu",
-    )  # fmt: skip
+    spec = JobSpec(**SPEC)
     path = tmp_path / "job.json"
     write_record(spec, path)
     assert read_record(JobSpec, path) == spec
@@ -162,8 +164,6 @@ def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleTyp
         JobSpec(**{**data, "steps": 15})
     with pytest.raises(ValueError, match="exactly the channels"):
         JobSpec(**{**data, "weights": {"grpo": 1.0}})
-    with pytest.raises(ValueError, match="codec must be one of"):
-        JobSpec(**{**data, "codec": "zip"})
 
 
 # --------------------------------------------------------------------------- evaluation arithmetic
@@ -206,11 +206,25 @@ def test_channels_flag_and_bad_arguments(composer_main: ModuleType) -> None:
         ["--temperature", "nan"],
         ["--outer-momentum", "1"],
         ["--max-completion-length", "0"],
-        ["--codec", "zip"],
-        ["--codec", "topk:0/4096"],
     ):
         with pytest.raises(SystemExit):
             main.parse_args(argv)
+
+
+def test_codec_flag_takes_crf_diloco_codecs_and_refuses_others(composer_main: ModuleType) -> None:
+    pytest.importorskip("crf_diloco", reason="the wire codecs are crf-diloco's (pip install crf-diloco)")
+    from main_job.records import JobSpec
+
+    main = composer_main
+    assert main.parse_args(["--codec", "topk:41/4096"]).codec == "topk:41/4096"
+    for argv in (["--codec", "zip"], ["--codec", "topk:0/4096"], ["--codec", "int4:7"]):
+        with pytest.raises(SystemExit):
+            main.parse_args(argv)
+    spec = main.parse_args([])
+    assert spec.codec == "fp32"
+    assert JobSpec(**{**SPEC, "codec": "int4:64"}).codec == "int4:64"
+    with pytest.raises(ValueError, match="codec must be one of"):
+        JobSpec(**{**SPEC, "codec": "zip"})
 
 
 def test_report_command_hides_credentials(composer_main: ModuleType) -> None:
