@@ -36,6 +36,7 @@ SDPO = {
     "distillation_topk": SDPO_TOP_K,
     "distillation_add_tail": True,
     "teacher_model_kind": "ema",
+    "include_environment_feedback": True,  # TRL's SDPOTrainer then reads `privileged_context`; crf's default
 }
 """The SDPO setting both SDPO kinds run, in TRL `SDPOConfig`'s names (crf's `ComposerConfig` accepts them)."""
 

@@ -904,6 +904,9 @@ def test_a_replica_that_stalls_past_keep_rounds_between_rounds_catches_up(
                 ar.allreduce(t)
             assert torch.equal(t, torch.full((3,), 100.0))
             log.append(f"joins {ar.join()}")
+        # The last round is meant to hold both: whichever announces first waits long enough for the other however
+        # loaded the machine (the lone rounds' 0.5 s was a race against rank 0's 0.5 s sleep; lost once under load).
+        ar.quorum_timeout = 15.0
         t = torch.full((3,), float(rank + 6))
         ar.allreduce(t)
         log.append(f"round {ar.round_id - 1}: {float(t[0])}")
@@ -946,6 +949,7 @@ def test_a_replica_that_stalls_mid_round_past_keep_rounds_never_writes_into_it(
         else:
             log.append(f"joins {ar.join()}")
         ar.timeout = 20
+        ar.quorum_timeout = 15.0  # the same race as above
         t = torch.full((3,), float(rank + 5))
         ar.allreduce(t)
         log.append(f"round {ar.round_id - 1}: {float(t[0])}")
