@@ -51,6 +51,7 @@ from main_job.records import (
     TRAINERS,
     JobSpec,
     ReplicaReport,
+    compression,
     read_record,
     write_record,
 )
@@ -221,13 +222,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     if opts.warmup_steps < 0:
         parser.error("--warmup-steps must be >= 0")
-    if opts.codec != "fp32":
-        from crf_diloco.wire import parse_codec
-
-        try:
-            parse_codec(opts.codec)
-        except ValueError as exc:
-            parser.error(f"--codec: {exc}")
+    try:
+        compression(opts.codec)
+    except ValueError as exc:
+        parser.error(f"--codec: {exc}")
     weights = {"grpo": opts.grpo_weight, "sdpo_jsd": opts.sdpo_weight, "trace_replay_dpo": opts.dpo_weight}
     if any(not weights[c] > 0 for c in opts.channels):
         parser.error(f"every channel in --channels needs a weight > 0, got {weights}")

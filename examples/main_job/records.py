@@ -21,6 +21,7 @@ __all__ = [
     "JobSpec",
     "ReplicaReport",
     "StepRecord",
+    "compression",
     "read_record",
     "write_record",
 ]
@@ -33,6 +34,17 @@ TRAINERS = ("crf", "trl-grpo", "trl-sdpo")
 
 STORAGE_OPTIONS_ENV = "CRF_MAIN_JOB_STORAGE_OPTIONS"
 """Environment variable holding the store's fsspec options as JSON (``--storage-option``), for the replicas."""
+
+
+def compression(codec: str) -> str | None:
+    """``ObjectStoreAllReduce``'s ``compression`` for a wire codec name: None for "fp32", else the name, checked by
+    crf-diloco (a ValueError naming the codecs there are); "fp32" needs no crf-diloco installed."""
+    if codec == "fp32":
+        return None
+    from crf_diloco.wire import parse_codec
+
+    parse_codec(codec)
+    return codec
 
 
 @dataclass(frozen=True)
@@ -73,10 +85,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         if sorted(self.weights) != sorted(CHANNELS):
             raise ValueError(f"weights must name exactly the channels {CHANNELS}, got {sorted(self.weights)}")
-        if self.codec != "fp32":  # crf-diloco checks its own codec names (a ValueError naming the ones there are)
-            from crf_diloco.wire import parse_codec
-
-            parse_codec(self.codec)
+        compression(self.codec)
         if self.steps < 1 or self.sync_every < 1 or self.steps % self.sync_every:
             raise ValueError(f"steps ({self.steps}) must be a positive multiple of sync_every ({self.sync_every})")
 

@@ -27,6 +27,7 @@ from main_job.records import (
     JobSpec,
     ReplicaReport,
     StepRecord,
+    compression,
     read_record,
     write_record,
 )
@@ -152,7 +153,7 @@ def run_replica(job: Path) -> ReplicaReport:
     # Built first, with a probe write/read, so a wrong URI or missing credentials fail before training.
     allreduce = ObjectStoreAllReduce.from_env(
         timeout=spec.sync_timeout,
-        compression=None if spec.codec == "fp32" else spec.codec,
+        compression=compression(spec.codec),
         storage_options=json.loads(os.environ.get(STORAGE_OPTIONS_ENV) or "{}") or None,
         preflight=True,
     )
