@@ -13,9 +13,8 @@ from pathlib import Path
 SHOWN = 10
 
 
-def counts(report: Path) -> tuple[int, int, int]:
-    """(passed, failed, skipped) of one JUnit XML file; errors count as failures."""
-    root = ET.parse(report).getroot()
+def counts(root: ET.Element) -> tuple[int, int, int]:
+    """(passed, failed, skipped) of one parsed JUnit XML report; errors count as failures."""
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     tests = failed = skipped = 0
     for suite in suites:
@@ -25,10 +24,10 @@ def counts(report: Path) -> tuple[int, int, int]:
     return tests - failed - skipped, failed, skipped
 
 
-def failures(report: Path) -> list[str]:
-    """`classname::name: message` of each failed or errored test case in one JUnit XML file."""
+def failures(root: ET.Element) -> list[str]:
+    """`classname::name: message` of each failed or errored test case in one parsed JUnit XML report."""
     out = []
-    for case in ET.parse(report).getroot().iter("testcase"):
+    for case in root.iter("testcase"):
         for bad in (*case.findall("failure"), *case.findall("error")):
             message = (bad.get("message") or bad.text or "").strip().splitlines()
             out.append(f"{case.get('classname')}::{case.get('name')}: {message[0][:200] if message else ''}")
@@ -42,13 +41,14 @@ def main(folder: str) -> int:
         return 1
     total = [0, 0, 0]
     width = max(len(r.stem) for r in reports)
-    for report in reports:
-        row = counts(report)
+    roots = {report: ET.parse(report).getroot() for report in reports}
+    for report, root in roots.items():
+        row = counts(root)
         total = [a + b for a, b in zip(total, row, strict=True)]
         print(f"{report.stem:<{width}}  {row[0]:>5} passed  {row[1]:>3} failed  {row[2]:>4} skipped")
     print(f"{total[0]} passed, {total[1]} failed, {total[2]} skipped")
-    for report in reports:
-        failed = failures(report)
+    for report, root in roots.items():
+        failed = failures(root)
         for line in failed[:SHOWN]:
             print(f"FAILED [{report.stem}] {line}")
         if len(failed) > SHOWN:
