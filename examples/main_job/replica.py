@@ -93,6 +93,8 @@ def build_trainer(spec: JobSpec, rank: int, model: Any, tokenizer: Any, reward: 
         "save_strategy": "no",
         "report_to": [],
         "use_cpu": spec.device == "cpu",
+        # on CPU float32 in every arm, crf's and TRL's alike (GRPOConfig's default, bf16 autocast, is meant for GPUs)
+        "bf16": spec.device == "cuda",
         "disable_tqdm": True,
         "seed": spec.seed + 101 * rank,  # each replica samples its own rollouts
     }
