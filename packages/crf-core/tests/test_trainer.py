@@ -67,6 +67,7 @@ def _config(tmp_path: Path, **overrides: Any) -> ComposerConfig:
         "disable_tqdm": True,
         "seed": 0,
         "sdpo_top_k": 8,
+        "bf16": False,  # float32, like the plain-PyTorch references below (GRPOConfig's default is bf16 autocast)
     }
     base.update(overrides)
     return ComposerConfig(**base)

@@ -33,11 +33,13 @@ from crf_distill.head_scores import (
     check_head,
     check_row_terms,
     check_temperature,
+    grad_operand,
     head_logits,
     head_scores,
     weighted_vjp,
 )
 from crf_distill.logprobs import compute_dtype
+from crf_distill.precision import autocast_off, projection_dtype
 
 __all__ = [
     "ChunkTerm",
@@ -136,7 +138,8 @@ def _teacher_source(
         )
     th, tw = teacher_hidden.detach(), teacher_weight.detach()
     tb = None if teacher_bias is None else teacher_bias.detach()
-    return lambda rows: head_logits(th[rows], tw, tb)
+    d = projection_dtype(th, tw)  # decided here, in the caller's autocast state, not inside the chunked pass
+    return lambda rows: head_logits(th[rows], tw, tb, precision=d)
 
 
 def chunked_fused_loss(
@@ -205,6 +208,7 @@ def chunked_weighted_sums(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    precision: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``values[k] = Σ_r weights[k][r]·terms[k].fn(z_r)`` and ``total = Σ_k scales[k]·values[k]`` over the rows of
     ``z = (h Wᵀ + b) / τ``, chunked, with the total's gradient taken in the forward (see the module docstring).
@@ -212,7 +216,8 @@ def chunked_weighted_sums(
     Args:
         hidden: ``(N, H)``. weight: ``(V, H)``; bias: ``(V,)``. terms: the row functions (their ``active``
             masks skip rows). weights: one ``(N,)`` tensor per term (e.g. a normalised mask). scales: one float
-            per term. temperature: ``τ > 0``. chunk_size: rows per chunk.
+            per term. temperature: ``τ > 0``. chunk_size: rows per chunk. precision: the dtype of the head
+            product (``crf_distill.precision``; None follows autocast and the weight).
 
     Returns:
         ``(total, values)``, all differentiable 0-d tensors (no double backward).
@@ -234,6 +239,7 @@ def chunked_weighted_sums(
         tuple(float(s) for s in scales),
         float(temperature),
         chunk_size,
+        projection_dtype(hidden, weight, precision),
     )
     return out[0], list(out[1:])
 
@@ -252,26 +258,52 @@ class _ChunkedFused(torch.autograd.Function):
         scales: tuple[float, ...],
         temperature: float,
         chunk_size: int,
+        precision: torch.dtype,
     ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
+        with autocast_off(hidden.device):
+            return _ChunkedFused._forward(
+                ctx, hidden, weight, bias, terms, weights, scales, temperature, chunk_size, precision
+            )
+
+    @staticmethod
+    def _forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        terms: tuple[RowTerm, ...],
+        weights: tuple[torch.Tensor, ...],
+        scales: tuple[float, ...],
+        temperature: float,
+        chunk_size: int,
+        precision: torch.dtype,
+    ) -> tuple[torch.Tensor, ...]:
         dtype = compute_dtype(hidden)
         grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
         values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
         live = list(zip(terms, weights, scales, strict=True))
-        for start, stop, h, z, rows in _chunks(hidden, weight, bias, temperature, chunk_size):
+        operand = grad_operand(weight, precision)
+        for start, stop, h, z, rows in _chunks(hidden, weight, bias, temperature, chunk_size, precision):
             dz, sums = weighted_vjp(z, rows, start, stop, live)
             for total, part in zip(values, sums, strict=True):
                 total += part
             if dz is not None:
-                accumulate_head_grads(dz, h, weight, temperature, *_rows_of(grads, start, stop))
+                accumulate_head_grads(dz, h, operand, temperature, *_rows_of(grads, start, stop), precision=precision)
         ctx.save_for_backward(hidden, weight, bias, *weights, *(g if g is not None else torch.empty(0) for g in grads))
         ctx.present = tuple(g is not None for g in grads)
         ctx.terms, ctx.scales, ctx.temperature, ctx.chunk_size = terms, scales, temperature, chunk_size
+        ctx.precision, ctx.device = precision, hidden.device
         total = sum((s * v for s, v in zip(scales, values, strict=True)), torch.zeros((), dtype=dtype))
         return (total.to(hidden.device), *values)
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor | None, *grad_values: torch.Tensor | None) -> tuple[Any, ...]:
+        with autocast_off(ctx.device):
+            return _ChunkedFused._backward(ctx, grad_total, *grad_values)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_total: torch.Tensor | None, *grad_values: torch.Tensor | None) -> tuple[Any, ...]:
         hidden, weight, bias, *rest = ctx.saved_tensors
         k = len(ctx.terms)
         weights, saved = rest[:k], rest[k:]
@@ -282,14 +314,18 @@ class _ChunkedFused(torch.autograd.Function):
         if live:  # a term's own value was used: recompute its chunks
             dtype = compute_dtype(hidden)
             grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
-            for start, stop, h, z, rows in _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size):
+            operand = grad_operand(weight, ctx.precision)
+            chunks = _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size, ctx.precision)
+            for start, stop, h, z, rows in chunks:
                 dz, _ = weighted_vjp(z, rows, start, stop, live)
                 if dz is not None:
-                    accumulate_head_grads(dz, h, weight, ctx.temperature, *_rows_of(grads, start, stop))
+                    accumulate_head_grads(
+                        dz, h, operand, ctx.temperature, *_rows_of(grads, start, stop), precision=ctx.precision
+                    )
             out = [a if b is None else b if a is None else a + b for a, b in zip(out, grads, strict=True)]
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         result = [None if g is None or d is None else g.to(d) for g, d in zip(out, dtypes, strict=True)]
-        return (*result, None, None, None, None, None)
+        return (*result, None, None, None, None, None, None)
 
 
 def _grad_buffers(
@@ -315,14 +351,19 @@ def _rows_of(
 
 
 def _chunks(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, chunk_size: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int,
+    precision: torch.dtype,
 ) -> Any:
     """``(start, stop, h, logits, rows)`` for each chunk of rows."""
     n = hidden.shape[0]
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         h = hidden[start:stop]
-        z = head_logits(h, weight, bias, temperature)
+        z = head_logits(h, weight, bias, temperature, precision=precision)
         yield start, stop, h, z, torch.arange(start, stop, device=hidden.device)
 
 

@@ -23,7 +23,11 @@ Two executions with the same math:
   strategy of TRL's ``ChunkedLogProbFunction`` and of activation checkpointing; Liger computes the
   gradient inside the forward, which needs the loss to be a fixed linear function of the rows).
 
-Half-precision heads multiply in their own dtype and upcast the logits to float32; float64 stays float64.
+Precision (``crf_distill.precision``, TRL 1.16's fused head): the product ``h Wᵀ`` runs in the projection dtype
+``d`` (``precision``, else the autocast dtype when autocast is on, else a half weight's dtype, else float32;
+float64 stays float64). A half ``d`` rounds the logits to ``d``; everything after the product is float32 with
+autocast off, and the backward rounds ``∂L/∂z`` to ``d`` before float32-accumulated products. ``d`` is decided
+once per call, so a backward run outside autocast recomputes the chunks exactly as the forward saw them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ import torch
 
 from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask
 from crf_distill.logprobs import compute_dtype
+from crf_distill.precision import (
+    HALF_DTYPES,
+    autocast_off,
+    half_head_grads,
+    half_logits,
+    projection_dtype,
+    rounded_projection,
+    rounded_weight,
+)
 
 __all__ = ["HeadScores", "RowFn", "RowTerm", "head_logits", "head_scores", "logit_scores"]
 
@@ -68,19 +81,28 @@ class HeadScores:
 
 
 def head_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, temperature: float = 1.0
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    *,
+    precision: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``(h Wᵀ + b) / τ`` in float32 (float64 for float64 inputs); half-precision heads multiply natively."""
+    """``(h Wᵀ + b) / τ`` ``(n, V)`` in float32 (float64 for float64 inputs), the product in the projection dtype
+    ``d = projection_dtype(hidden, weight, precision)`` (a half ``d`` rounds the logits to it; see the module
+    docstring)."""
     dtype = compute_dtype(hidden)
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        z = (hidden.to(weight.dtype) @ weight.t()).to(dtype)
-        if bias is not None:
-            z = z + bias.to(dtype)
-    else:
-        z = hidden.to(dtype) @ weight.to(dtype).t()
-        if bias is not None:
-            z = z + bias.to(dtype)
-    return z if temperature == 1.0 else z / temperature
+    d = projection_dtype(hidden, weight, precision)
+    with autocast_off(hidden.device):
+        if d in HALF_DTYPES:
+            project = rounded_projection if torch.is_grad_enabled() else half_logits
+            z = project(hidden, weight, bias, d).to(dtype)
+        else:
+            z = hidden.to(d) @ weight.to(d).t()
+            if bias is not None:
+                z = z + bias.to(d)
+            z = z.to(dtype)
+        return z if temperature == 1.0 else z / temperature
 
 
 def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -108,8 +130,28 @@ class _ChunkedHeadScores(torch.autograd.Function):
         want_entropy: bool,
         temperature: float,
         chunk_size: int,
+        precision: torch.dtype,
     ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
+        with autocast_off(hidden.device):
+            outputs = _ChunkedHeadScores._forward(
+                ctx, hidden, weight, bias, labels, terms, want_entropy, temperature, chunk_size, precision
+            )
+        return outputs
+
+    @staticmethod
+    def _forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        terms: tuple[RowTerm, ...],
+        want_entropy: bool,
+        temperature: float,
+        chunk_size: int,
+        precision: torch.dtype,
+    ) -> tuple[torch.Tensor, ...]:
         n = hidden.shape[0]
         dtype = compute_dtype(hidden)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -118,7 +160,7 @@ class _ChunkedHeadScores(torch.autograd.Function):
         values = [torch.zeros(n, dtype=dtype, device=hidden.device) for _ in terms]
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
-            z = head_logits(hidden[start:stop], weight, bias, temperature)
+            z = head_logits(hidden[start:stop], weight, bias, temperature, precision=precision)
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse[start:stop]
             if want_entropy:
@@ -136,6 +178,8 @@ class _ChunkedHeadScores(torch.autograd.Function):
         ctx.want_entropy = want_entropy
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
+        ctx.precision = precision
+        ctx.device = hidden.device
         outputs = [logprobs, entropy, *values]
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -143,6 +187,11 @@ class _ChunkedHeadScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        with autocast_off(ctx.device):
+            return _ChunkedHeadScores._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         g_lp, g_h, *g_terms = grads
         if not ctx.want_entropy:
@@ -157,11 +206,12 @@ class _ChunkedHeadScores(torch.autograd.Function):
         )
         live_terms = [(t, g, 1.0) for t, g in zip(ctx.terms, g_terms, strict=True) if g is not None]
         if g_lp is None and g_h is None and not live_terms:
-            return (None,) * 8
+            return (None,) * 9
+        operand = grad_operand(weight, ctx.precision)
         for start in range(0, n, ctx.chunk_size):
             stop = min(start + ctx.chunk_size, n)
             h = hidden[start:stop]
-            z = head_logits(h, weight, bias, ctx.temperature)
+            z = head_logits(h, weight, bias, ctx.temperature, precision=ctx.precision)
             rows = torch.arange(start, stop, device=hidden.device)
             dz, _ = weighted_vjp(z, rows, start, stop, live_terms)  # ∂(Σ_k g_k·term_k)/∂z, or None
             if g_lp is not None or g_h is not None:
@@ -183,13 +233,21 @@ class _ChunkedHeadScores(torch.autograd.Function):
             if dz is None:  # nothing flows back through this chunk
                 continue
             accumulate_head_grads(
-                dz, h, weight, ctx.temperature, None if grad_h is None else grad_h[start:stop], grad_w, grad_b
+                dz,
+                h,
+                operand,
+                ctx.temperature,
+                None if grad_h is None else grad_h[start:stop],
+                grad_w,
+                grad_b,
+                precision=ctx.precision,
             )
             del z, dz
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -228,6 +286,12 @@ def weighted_vjp(
     return dz, sums
 
 
+def grad_operand(weight: torch.Tensor, precision: torch.dtype) -> torch.Tensor:
+    """The weight as :func:`accumulate_head_grads` multiplies it: ``round_d(W)`` in float32 for a half projection
+    dtype ``d`` (made once per pass), else the weight itself."""
+    return rounded_weight(weight, precision) if precision in HALF_DTYPES else weight
+
+
 def accumulate_head_grads(
     dz: torch.Tensor,
     h: torch.Tensor,
@@ -236,16 +300,20 @@ def accumulate_head_grads(
     grad_h: torch.Tensor | None,
     grad_w: torch.Tensor | None,
     grad_b: torch.Tensor | None,
+    *,
+    precision: torch.dtype | None = None,
 ) -> None:
     """Turn one chunk's ``∂L/∂z`` (temperature-scaled logits) into its ``∂L/∂h`` rows (written to ``grad_h``, the
-    chunk's slice) and add its ``∂L/∂W`` and ``∂L/∂b`` contributions in place."""
+    chunk's slice) and add its ``∂L/∂W`` and ``∂L/∂b`` contributions in place. For a half projection dtype
+    ``precision`` the products are those of ``crf_distill.precision`` and ``weight`` is :func:`grad_operand`'s."""
     if temperature != 1.0:
         dz = dz / temperature
+    if precision in HALF_DTYPES:
+        assert precision is not None
+        half_head_grads(dz, h, weight, precision, grad_h, grad_w, grad_b)
+        return
     if grad_h is not None:
-        if weight.dtype in (torch.float16, torch.bfloat16):
-            grad_h.copy_((dz.to(weight.dtype) @ weight).to(grad_h.dtype))
-        else:
-            torch.mm(dz, weight.to(dz.dtype), out=grad_h)
+        torch.mm(dz, weight.to(dz.dtype), out=grad_h)
     if grad_w is not None:
         grad_w.addmm_(dz.t(), h.to(dz.dtype))
     if grad_b is not None:
@@ -300,6 +368,7 @@ def head_scores(
     entropy: bool = False,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    precision: torch.dtype | None = None,
 ) -> HeadScores:
     """Label log-probs, entropies and per-row term values of ``z = (h Wᵀ + b) / τ`` (see the module docstring).
 
@@ -310,6 +379,8 @@ def head_scores(
         entropy: also return the per-row entropy (differentiable).
         temperature: ``τ > 0``, applied to the logits every output sees.
         chunk_size: rows per chunk; ``None`` materialises the ``(N, V)`` logits.
+        precision: the dtype of the head product; ``None`` follows autocast and the weight
+            (:func:`crf_distill.precision.projection_dtype`); ``torch.float32`` is TRL's ``cast_lm_head_to_fp32``.
 
     Returns:
         :class:`HeadScores`; ``logprobs``/``entropy``/``values`` in float32 (float64 for float64 hidden).
@@ -321,9 +392,12 @@ def head_scores(
     check_temperature(temperature)
     check_chunk_size(chunk_size, optional=True)
     labels = labels.long()
+    d = projection_dtype(hidden, weight, precision)
     if chunk_size is None:
-        return _scores_of(head_logits(hidden, weight, bias, temperature), labels, terms, entropy)
-    out = _ChunkedHeadScores.apply(hidden, weight, bias, labels, terms, entropy, float(temperature), chunk_size)
+        z = head_logits(hidden, weight, bias, temperature, precision=d)
+        with autocast_off(hidden.device):
+            return _scores_of(z, labels, terms, entropy)
+    out = _ChunkedHeadScores.apply(hidden, weight, bias, labels, terms, entropy, float(temperature), chunk_size, d)
     return HeadScores(out[0], out[1] if entropy else None, tuple(out[2:]))
 
 
@@ -336,7 +410,8 @@ def logit_scores(
     check_index_tensor("labels", labels, shape=logits.shape[:1], upper=logits.shape[1])
     terms = tuple(terms)
     check_row_terms(terms, logits.shape[0])
-    return _scores_of(logits.to(compute_dtype(logits)), labels.long(), terms, entropy)
+    with autocast_off(logits.device):
+        return _scores_of(logits.to(compute_dtype(logits)), labels.long(), terms, entropy)
 
 
 def _scores_of(z: torch.Tensor, labels: torch.Tensor, terms: tuple[RowTerm, ...], entropy: bool) -> HeadScores:

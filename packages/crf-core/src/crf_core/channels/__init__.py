@@ -11,6 +11,7 @@
 from crf_core.channels.grpo import CompletionScores, score_completions
 from crf_core.channels.head import (
     ChunkPlan,
+    HeadPrecision,
     HeadStates,
     LMHead,
     RowSource,
@@ -35,6 +36,7 @@ __all__ = [
     "SDPO_WRAPPERS",
     "ChunkPlan",
     "CompletionScores",
+    "HeadPrecision",
     "HeadStates",
     "LMHead",
     "PreferenceConfig",

@@ -11,12 +11,18 @@ would take more than ``auto_threshold_mb`` (64 MiB) in float32, e.g. 512 tokens 
 tokens at Qwen's 151,936; below that the materialised path is faster (no recompute in the backward) and its
 memory is small beside the optimizer state. Chunks hold ``chunk_budget_mb`` (8 MiB) of logits each (13 rows
 at 151,936) unless ``chunk_size`` fixes the rows.
+
+Mixed precision is a :class:`HeadPrecision`: every pass (decoder, head, teacher projections) runs inside its
+``autocast`` (the accelerator's, as TRL 1.16's ``_get_per_token_logps_and_entropies`` does), so under bf16 the
+decoder runs in autocast and the head product in bf16 with a float32 log-softmax; ``head_dtype=torch.float32`` is
+TRL's ``cast_lm_head_to_fp32`` (the product in float32, autocast off). The numerics are those of
+``crf_distill.precision``; without autocast (``bf16=False``) nothing changes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +32,7 @@ from crf_distill import HeadScores, RowTerm, chunked_weighted_sums, head_logits,
 
 __all__ = [
     "ChunkPlan",
+    "HeadPrecision",
     "HeadStates",
     "LMHead",
     "RowSource",
@@ -79,6 +86,33 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True)
+class HeadPrecision:
+    """The precision regime of a head's passes (see the module docstring).
+
+    Attributes:
+        autocast: a factory of the context entered around every pass, e.g. ``accelerator.autocast`` (TRL's);
+            ``nullcontext`` (the default) runs in the model's own dtype.
+        head_dtype: the dtype of the LM-head product; ``None`` follows autocast and the weight, ``torch.float32``
+            is TRL's ``cast_lm_head_to_fp32``.
+    """
+
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
+    head_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.autocast):
+            raise TypeError(
+                f"autocast must be a callable returning a context manager (e.g. accelerator.autocast), "
+                f"got {type(self.autocast).__name__}"
+            )
+        if self.head_dtype is not None and self.head_dtype != torch.float32:
+            raise ValueError(
+                f"head_dtype must be None (follow autocast) or torch.float32 (cast_lm_head_to_fp32), got "
+                f"{self.head_dtype!r}"
+            )
+
+
+@dataclass(frozen=True)
 class HeadStates:
     """What the model produced for ``(B, T)`` tokens: decoder hidden states, or full logits (``is_logits``)."""
 
@@ -114,6 +148,7 @@ class LMHead:
         plan: the :class:`ChunkPlan`.
         unwrap: returns the model inside a wrapper (``accelerator.unwrap_model``); identity by default.
         temperature: logits are divided by it (TRL's sampling temperature).
+        precision: the :class:`HeadPrecision` of every pass; none (the model's own dtype) by default.
     """
 
     def __init__(
@@ -123,11 +158,15 @@ class LMHead:
         *,
         unwrap: Callable[[Any], Any] | None = None,
         temperature: float = 1.0,
+        precision: HeadPrecision | None = None,
     ) -> None:
+        if precision is not None and not isinstance(precision, HeadPrecision):
+            raise TypeError(f"precision must be a HeadPrecision or None, got {type(precision).__name__}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
         self.model = model
         self.plan = plan or ChunkPlan()
+        self.precision = precision or HeadPrecision()
         self.temperature = float(temperature)
         self.inner = unwrap(model) if unwrap is not None else model
         get_base = getattr(self.inner, "get_base_model", None)  # PEFT
@@ -151,9 +190,10 @@ class LMHead:
 
     def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> HeadStates:
         """Run the model on ``(B, T)`` tokens: decoder states if the head is separable, else full logits."""
-        if self.separable:
-            return HeadStates(self._call(self._decoder_states, input_ids, attention_mask), is_logits=False)
-        return HeadStates(self._call(self._full_logits, input_ids, attention_mask), is_logits=True)
+        with self.precision.autocast():
+            if self.separable:
+                return HeadStates(self._call(self._decoder_states, input_ids, attention_mask), is_logits=False)
+            return HeadStates(self._call(self._full_logits, input_ids, attention_mask), is_logits=True)
 
     def _decoder_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -189,16 +229,18 @@ class LMHead:
             z = rows if self.temperature == 1.0 else rows / self.temperature
             return logit_scores(z, labels, terms=terms, entropy=entropy)
         chunk = self.plan.rows(rows.shape[0], self.weight.shape[0])
-        return head_scores(
-            rows,
-            self.weight,
-            labels,
-            bias=self.bias,
-            terms=terms,
-            entropy=entropy,
-            temperature=self.temperature,
-            chunk_size=chunk,
-        )
+        with self.precision.autocast():
+            return head_scores(
+                rows,
+                self.weight,
+                labels,
+                bias=self.bias,
+                terms=terms,
+                entropy=entropy,
+                temperature=self.temperature,
+                chunk_size=chunk,
+                precision=self.precision.head_dtype,
+            )
 
     def weighted_sums(
         self,
@@ -217,16 +259,18 @@ class LMHead:
         """
         chunk = None if is_logits else self.plan.rows(rows.shape[0], self.weight.shape[0])
         if chunk is not None:
-            return chunked_weighted_sums(
-                rows,
-                self.weight,
-                terms,
-                weights,
-                scales,
-                bias=self.bias,
-                temperature=self.temperature,
-                chunk_size=chunk,
-            )
+            with self.precision.autocast():
+                return chunked_weighted_sums(
+                    rows,
+                    self.weight,
+                    terms,
+                    weights,
+                    scales,
+                    bias=self.bias,
+                    temperature=self.temperature,
+                    chunk_size=chunk,
+                    precision=self.precision.head_dtype,
+                )
         labels = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
         scores = self.score(rows, labels, is_logits=is_logits, terms=terms)
         values = [(v * w.to(v.dtype)).sum() for v, w in zip(scores.values, weights, strict=True)]
@@ -235,8 +279,8 @@ class LMHead:
 
     def project(self, rows: torch.Tensor) -> torch.Tensor:
         """No-grad ``(n, V)`` logits of ``(n, H)`` states (temperature applied), for teacher-like sources."""
-        with torch.no_grad():
-            return head_logits(rows, self.weight, self.bias, self.temperature)
+        with torch.no_grad(), self.precision.autocast():
+            return head_logits(rows, self.weight, self.bias, self.temperature, precision=self.precision.head_dtype)
 
 
 def mean_weights(mask: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ from trl import GRPOTrainer
 
 from crf_core.channels import (
     CompletionScores,
+    HeadPrecision,
     HeadStates,
     LMHead,
     SDPOChannel,
@@ -161,6 +162,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         check_trainer_attributes(self)
         self.composer_args: ComposerConfig = args
         self._chunk_plan = args.chunk_plan()
+        # TRL's regime for every forward of every channel: the accelerator's autocast, cast_lm_head_to_fp32 honoured
+        self._precision = HeadPrecision(self.accelerator.autocast, torch.float32 if args.cast_lm_head_to_fp32 else None)
         self._reprompt_config = args.reprompt_config()
         self._capture: tuple[list[Any], list[Any], torch.Tensor] | None = None
         self._feedback_calls: list[list[Any]] = []
@@ -262,7 +265,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _head(self, model: Any) -> LMHead:
         """The policy (as the step calls it, possibly DDP-wrapped) as decoder + chunked head."""
-        return LMHead(model, self._chunk_plan, unwrap=self.accelerator.unwrap_model, temperature=self.temperature)
+        return LMHead(
+            model,
+            self._chunk_plan,
+            unwrap=self.accelerator.unwrap_model,
+            temperature=self.temperature,
+            precision=self._precision,
+        )
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -573,7 +582,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         )
         with context as teacher_model, torch.no_grad():
             # Under PEFT the head is the frozen base's (AdapterEmaTeacher checks), so it may project later.
-            teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature)
+            teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature, precision=self._precision)
             return teacher, teacher.states(input_ids, attention_mask)
 
     def _sdpo_loss(self, model: Any, inputs: Mapping[str, Any], shared: _SharedSDPO, weights: torch.Tensor) -> Any:
@@ -663,7 +672,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _pair_logps(self, model: Any, batch: SequenceBatch) -> tuple[SequenceLogps, SequenceLogps]:
         """Chosen and rejected sequence log-probs (``P`` rows each) of a collated pair batch."""
-        head = LMHead(model, self._chunk_plan, unwrap=self.accelerator.unwrap_model)
+        head = LMHead(model, self._chunk_plan, unwrap=self.accelerator.unwrap_model, precision=self._precision)
         logps = self.preference.sequence_logps(head, batch)
         p = batch.input_ids.shape[0] // 2
         return logps.rows(slice(0, p)), logps.rows(slice(p, 2 * p))
