@@ -20,7 +20,6 @@ from crf_replaysim.records import (
     DPOPair,
     NormalizedDPOPair,
     RecordError,
-    _dj_record_to_normalized_pair,
     _dpo_pair_to_dj_record,
     load_schema,
     schema_path,
@@ -103,7 +102,7 @@ def test_dj_record_does_not_share_lists_with_the_pair():
 def test_round_trip_through_json_loses_nothing():
     record = _dpo_pair_to_dj_record(sample_pair())
     line = json.dumps(record, ensure_ascii=False)
-    normalized = _dj_record_to_normalized_pair(json.loads(line))
+    normalized = NormalizedDPOPair.from_dj_record(json.loads(line))
     assert isinstance(normalized, NormalizedDPOPair)
     assert normalized.to_dj_record() == record
     assert json.dumps(normalized.to_dj_record(), ensure_ascii=False) == line
@@ -113,7 +112,7 @@ def test_round_trip_keeps_rewritten_flat_strings():
     """Mappers rewrite the flat strings; the normalized pair keeps the rewritten text and the chat lists."""
     record = _dpo_pair_to_dj_record(sample_pair())
     record["rejected"] = "Done - the tests pass."
-    normalized = _dj_record_to_normalized_pair(copy.deepcopy(record))
+    normalized = NormalizedDPOPair.from_dj_record(copy.deepcopy(record))
     assert normalized.rejected == "Done - the tests pass."
     assert normalized.rejected_messages == sample_pair().rejected_messages
     assert normalized.to_dj_record() == record
@@ -123,7 +122,7 @@ def test_data_juicer_internal_columns_are_tolerated_and_dropped():
     record = _dpo_pair_to_dj_record(sample_pair())
     with_stats = {**record, "__dj__stats__": {"text_len": 12}, "__dj__hash": "abc"}
     VALIDATOR.validate(with_stats)
-    assert _dj_record_to_normalized_pair(with_stats).to_dj_record() == record
+    assert NormalizedDPOPair.from_dj_record(with_stats).to_dj_record() == record
 
 
 def test_swapped_exchanges_sides_only():
@@ -259,4 +258,4 @@ def test_random_pairs_round_trip_and_match_the_schema(prompt, chosen, rejected, 
     record = _dpo_pair_to_dj_record(DPOPair(prompt, chosen, rejected, trace_id, turn, {"k": trace_id}))
     VALIDATOR.validate(record)
     line = json.dumps(record, ensure_ascii=False)
-    assert _dj_record_to_normalized_pair(json.loads(line)).to_dj_record() == record
+    assert NormalizedDPOPair.from_dj_record(json.loads(line)).to_dj_record() == record

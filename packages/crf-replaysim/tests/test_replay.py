@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from crf_replaysim.records import _dj_record_to_normalized_pair, load_schema
+from crf_replaysim.records import NormalizedDPOPair, load_schema
 from crf_replaysim.replay import replay_jsonl, replay_jsonl_async
 from crf_replaysim.teacher import TeacherHTTPError
 from crf_replaysim.traces import example_traces_path, load_traces
@@ -55,7 +55,7 @@ def test_one_pair_per_decision_point_with_provenance(teacher_server, make_client
         assert pair["meta"]["chosen_source"] == "teacher"
         assert pair["meta"]["trace_line"] == TRACES.index(trace) + 1
         assert pair["meta"]["trace_meta"] == trace.meta
-        _dj_record_to_normalized_pair(pair)
+        NormalizedDPOPair.from_dj_record(pair)
 
 
 def test_teacher_sees_the_context_up_to_the_decision_and_the_tools(teacher_server, make_client, tmp_path):

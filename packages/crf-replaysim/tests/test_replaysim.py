@@ -23,7 +23,7 @@ from crf_replaysim._synthetic import synthetic_dj_records
 from crf_replaysim.normalize import DJNormalizer, NormalizeSummary, normalize_jsonl, pair_text
 from crf_replaysim.ops import NATIVE_OPS, RecipeError
 from crf_replaysim.ops._recipe import DEFAULT_RECIPE_PATH, load_recipe
-from crf_replaysim.records import DPOPair, RecordError, _dj_record_to_normalized_pair, _dpo_pair_to_dj_record
+from crf_replaysim.records import DPOPair, NormalizedDPOPair, RecordError, _dpo_pair_to_dj_record
 
 OPS: dict[str, Any] = dict(NATIVE_OPS)  # name -> op class, typed loosely for per-op keyword arguments
 HAS_DJ = importlib.util.find_spec("data_juicer") is not None
@@ -133,7 +133,7 @@ def test_record_chosen_rejected_messages_carry_chat_shape() -> None:
     assert out["prompt"] == "user: ask <email>"
     assert out["rejected_messages"] == record["rejected_messages"]
     assert record["chosen"].startswith("Mail bob@")  # the input is not mutated
-    normalized = _dj_record_to_normalized_pair(out)
+    normalized = NormalizedDPOPair.from_dj_record(out)
     assert normalized.chosen_messages == out["chosen_messages"]
     assert normalized.chosen == out["chosen"]
 
@@ -154,7 +154,7 @@ def test_dj_normalizer_e2e_default_recipe(tmp_path: Path) -> None:
     assert 0 < dj.kept == native.kept < 400
     assert sum(dj.dropped_per_op.values()) == sum(native.dropped_per_op.values()) == 400 - dj.kept
     kept = [json.loads(line) for line in native_rows.splitlines()]
-    assert [_dj_record_to_normalized_pair(r).to_dj_record() for r in kept] == kept
+    assert [NormalizedDPOPair.from_dj_record(r).to_dj_record() for r in kept] == kept
     assert len({pair_text(r) for r in kept}) == len(kept)  # pair-level dedup
 
 

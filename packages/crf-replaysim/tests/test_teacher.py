@@ -19,8 +19,8 @@ from crf_replaysim.teacher import (
     TeacherHTTPError,
     TeacherResponseError,
     TeacherRetriesExhausted,
-    _parse_retry_after,
 )
+from crf_replaysim.teacher.retry import parse_retry_after
 
 CONTEXT = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Run the tests."}]
 TOOLS = [{"type": "function", "function": {"name": "run_command", "parameters": {"type": "object"}}}]
@@ -122,16 +122,16 @@ def test_429_retry_after_is_honoured(teacher_server, make_client):
     first, second = teacher_server.requests
     # backoff alone would wait <= 0.01 s; the server asked for 1 s
     assert second["t"] - first["t"] >= 0.95
-    assert client.stats["retries"] == 1
+    assert client.stats.retries == 1
 
 
 def test_retry_after_parsing():
-    assert _parse_retry_after("3") == 3.0
-    assert _parse_retry_after("0.25") == 0.25
-    assert _parse_retry_after(None) is None
-    assert _parse_retry_after("soon") is None
+    assert parse_retry_after("3") == 3.0
+    assert parse_retry_after("0.25") == 0.25
+    assert parse_retry_after(None) is None
+    assert parse_retry_after("soon") is None
     future = email.utils.formatdate(time.time() + 30, usegmt=True)
-    assert 25 <= _parse_retry_after(future) <= 31  # type: ignore[operator]
+    assert 25 <= parse_retry_after(future) <= 31  # type: ignore[operator]
 
 
 def test_retry_after_above_limit_fails_without_waiting(teacher_server, make_client):
@@ -232,7 +232,7 @@ def test_an_unusable_action_is_paid_once_and_not_retried(teacher_server, make_cl
         complete(client)
     assert len(teacher_server.requests) == 1
     assert info.value.usage == {"prompt_tokens": 7}
-    assert client.stats["prompt_tokens"] == 7
+    assert client.stats.prompt_tokens == 7
 
 
 def test_error_object_with_4xx_code_fails_at_once(teacher_server, make_client):
@@ -291,7 +291,7 @@ def test_cache_answers_identical_requests_from_disk(teacher_server, make_client,
     assert len(teacher_server.requests) == 1
     assert again.cached
     assert again.message == first.message
-    assert client.stats["cache_hits"] == 1
+    assert client.stats.cache_hits == 1
     # a different request, or different sampling, is a miss
     complete(client, messages=[*CONTEXT, {"role": "user", "content": "and lint"}])
     complete(make_client(cache_dir=cache, temperature=0.7))
@@ -355,7 +355,7 @@ def test_identical_requests_in_flight_share_one_call(teacher_server, make_client
 
     replies = asyncio.run(go())
     assert len(teacher_server.requests) == 2
-    assert client.stats["deduplicated"] == 4
+    assert client.stats.deduplicated == 4
     assert all(r.message == {"role": "assistant", "content": "shared"} for r in replies)
     assert len({id(r.message) for r in replies}) == 6  # no shared mutable state between callers
 
@@ -382,7 +382,7 @@ def test_cancelling_the_only_caller_cancels_the_request(teacher_server, make_cli
     async def go():
         call = asyncio.ensure_future(client.complete(CONTEXT))
         await asyncio.sleep(0.2)
-        (task,) = client._inflight.values()
+        (task,) = client._inflight.tasks.values()
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
@@ -392,4 +392,4 @@ def test_cancelling_the_only_caller_cancels_the_request(teacher_server, make_cli
         return cancelled
 
     assert asyncio.run(go())
-    assert client._inflight == {}
+    assert client._inflight.tasks == {}

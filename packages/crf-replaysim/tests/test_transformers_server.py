@@ -234,4 +234,4 @@ def test_the_python_api_against_the_server(server):
     assert reply.message["tool_calls"][0]["function"]["name"] == "run_command"
     assert reply.usage is not None
     assert reply.usage["total_tokens"] == reply.usage["prompt_tokens"] + reply.usage["completion_tokens"]
-    assert client.stats["prompt_tokens"] == reply.usage["prompt_tokens"]
+    assert client.stats.prompt_tokens == reply.usage["prompt_tokens"]

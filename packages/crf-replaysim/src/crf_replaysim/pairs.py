@@ -21,7 +21,7 @@ from pathlib import Path
 
 from crf_replaysim.formats import PAIR_FORMATS, FormatReader, PairFormat
 from crf_replaysim.jsonl import DEFAULT_MAX_LINE_BYTES, MalformedLine, iter_json_lines
-from crf_replaysim.records import NormalizedDPOPair, RecordError, _dj_record_to_normalized_pair
+from crf_replaysim.records import NormalizedDPOPair, RecordError
 
 __all__ = ["LoadedPair", "example_pairs_path", "load_pairs", "read_pairs"]
 
@@ -80,7 +80,7 @@ def read_pairs(
             try:
                 record = reader.convert(row, f"{name}:{number}", decoded=True)
                 assert reader.format is not None
-                yield LoadedPair(_dj_record_to_normalized_pair(record), number, reader.format)
+                yield LoadedPair(NormalizedDPOPair.from_dj_record(record), number, reader.format)
                 continue
             except RecordError as err:
                 error = RecordError(err.reason, line=number)

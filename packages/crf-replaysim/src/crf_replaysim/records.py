@@ -55,8 +55,6 @@ __all__ = [
     "DPOPair",
     "NormalizedDPOPair",
     "RecordError",
-    "_dj_record_to_normalized_pair",
-    "_dpo_pair_to_dj_record",
     "check_schema_version",
     "load_schema",
     "schema_path",
@@ -267,9 +265,17 @@ class NormalizedDPOPair:
         """The dj record of this pair (deep copies; keys in ``DJ_RECORD_KEYS`` order)."""
         return {key: copy.deepcopy(getattr(self, key)) for key in DJ_RECORD_KEYS}
 
+    @classmethod
+    def from_dj_record(cls, record: dict[str, Any]) -> NormalizedDPOPair:
+        """Inverse of :meth:`to_dj_record`: validates ``record`` (:func:`validate_dj_record`) and copies every
+        field (keys of a newer minor version and ``__dj__`` columns are dropped)."""
+        validate_dj_record(record)
+        return cls(**{key: copy.deepcopy(record[key]) for key in DJ_RECORD_KEYS})
+
 
 def _dpo_pair_to_dj_record(pair: DPOPair) -> dict[str, Any]:
-    """Row for data-juicer (the seed's name for :meth:`DPOPair.to_dj_record`)."""
+    """Row for data-juicer: the seed's name for :meth:`DPOPair.to_dj_record` (kept for the seed's callers;
+    not in ``__all__``: new code calls the method)."""
     if not isinstance(pair, DPOPair):
         raise TypeError(f"expected a DPOPair, got {type(pair).__name__}. Fix: build one with DPOPair(...)")
     return pair.to_dj_record()
@@ -295,13 +301,6 @@ def validate_dj_record(record: Any, *, decoded: bool = False) -> None:
     if unknown and not newer:
         raise RecordError(f"record has unknown keys {unknown}. Fix: move extra information into 'meta'")
     _check_fields(record.__getitem__, flat=True, decoded=decoded)
-
-
-def _dj_record_to_normalized_pair(record: dict[str, Any]) -> NormalizedDPOPair:
-    """Inverse of ``NormalizedDPOPair.to_dj_record``: validates and copies every field (keys of a newer minor
-    version and ``__dj__`` columns are dropped)."""
-    validate_dj_record(record)
-    return NormalizedDPOPair(**{key: copy.deepcopy(record[key]) for key in DJ_RECORD_KEYS})
 
 
 def schema_path() -> Path:

@@ -226,7 +226,7 @@ async def replay_jsonl_async(
         check_output(hidden, [traces_path])
     window = max_pending or 4 * client.max_concurrency
     summary = ReplaySummary()
-    before = dict(client.stats)
+    before = client.stats.snapshot()
     state = ReplayState(output_path, _fingerprint(traces_path, client, chosen, keep_identical))
     state.open(resume=resume)
     pending: deque[tuple[Trace, int, asyncio.Task[TeacherReply]]] = deque()
@@ -299,12 +299,13 @@ async def replay_jsonl_async(
     summary.failed.sort(key=lambda row: (row[0], row[2]))  # points refused before asking were listed early
     summary.pairs_written = len(state.pair_keys)
     summary.identical = sum(1 for outcome in state.done.values() if outcome == "identical")
-    summary.teacher_requests = client.stats["requests"] - before["requests"]
-    summary.cache_hits = client.stats["cache_hits"] - before["cache_hits"]
-    summary.retries = client.stats["retries"] - before["retries"]
-    summary.deduplicated = client.stats["deduplicated"] - before["deduplicated"]
-    summary.prompt_tokens = client.stats["prompt_tokens"] - before["prompt_tokens"]
-    summary.completion_tokens = client.stats["completion_tokens"] - before["completion_tokens"]
+    used = client.stats.since(before)
+    summary.teacher_requests = used.requests
+    summary.cache_hits = used.cache_hits
+    summary.retries = used.retries
+    summary.deduplicated = used.deduplicated
+    summary.prompt_tokens = used.prompt_tokens
+    summary.completion_tokens = used.completion_tokens
     return summary
 
 
