@@ -28,9 +28,9 @@ from crf_core.channels import (
     ChunkPlan,
     LMHead,
     PreferenceConfig,
+    RowSource,
     SDPOChannel,
     SDPOConfig,
-    SDPOTargets,
     SequenceBatch,
     TraceReplayDPOChannel,
     hidden_source,
@@ -39,7 +39,8 @@ from crf_core.channels import (
     mean_weights,
 )
 from crf_core.channels._validate import check_unit, check_weight
-from crf_distill import TAIDSchedule, taid_linear_t
+from crf_core.channels.sdpo import completion_states, sdpo_targets
+from crf_distill import RowTerm, TAIDSchedule
 from crf_distill.dpo import DPOLossType
 
 __all__ = ["DPO_VARIANTS", "SDPO_WRAPPERS", "LossComponents", "compose_loss"]
@@ -83,29 +84,38 @@ class LossComponents:
         return out
 
 
-def _taid_t(step: int | None, total: int | None, t_min: float, t_max: float, schedule: TAIDSchedule | None) -> float:
-    if schedule is not None:
-        if (schedule.t_start, schedule.t_end) != (t_min, t_max):
-            raise ValueError(
-                f"taid_schedule has t_start/t_end = ({schedule.t_start}, {schedule.t_end}) but taid_alpha_min/max = "
-                f"({t_min}, {t_max}); build the schedule with the same bounds"
-            )
-        return schedule.t
-    assert step is not None
-    assert total is not None
-    return taid_linear_t(step, total, t_min, t_max)
-
-
 @dataclass(frozen=True)
 class _SDPORows:
-    """The SDPO channel's inputs on the scored rows ``r = b·(T − 1) + t`` (row ``t`` predicts token ``t + 1``)."""
+    """The SDPO term on the scored rows ``r = b·(T − 1) + t`` (row ``t`` predicts token ``t + 1``) and its weights."""
 
-    targets: SDPOTargets
+    term: RowTerm
     weights: torch.Tensor  # (N,) completion_mask · self_distillation_mask, 0 outside the completion
 
 
+def _taid_anchor(head: LMHead, inputs: Mapping[str, Any], ids: torch.Tensor, c: int) -> RowSource | None:
+    """TAID's anchor on the completion rows ``b·C + j``: given logits, the live model on the step-0 inputs, or None
+    (the paper's current detached student)."""
+    batch, seq = ids.shape
+    if inputs.get("student_init_logits") is not None:
+        init = get_float(inputs, "student_init_logits", (batch, seq, "V"), "for TAID")
+        return logits_source(init[:, seq - c - 1 : seq - 1].reshape(batch * c, -1), lambda rows: rows)
+    if inputs.get("student_init_input_ids") is None:
+        return None
+    init_ids = get_ids(inputs, "student_init_input_ids", (batch, seq), "for TAID")
+    warnings.warn(
+        "TAID: inputs['student_init_input_ids'] is scored by the *live* model; that equals the step-0 "
+        "student only before the first optimizer step. Pass precomputed inputs['student_init_logits'] "
+        "(captured at step 0) or neither key (the paper's current detached student) instead.",
+        UserWarning,
+        stacklevel=5,
+    )
+    with torch.no_grad():
+        init_states = completion_states(head.states(init_ids, inputs.get("attention_mask")), c)
+    return hidden_source(head, init_states.reshape(batch * c, -1), lambda rows: rows)
+
+
 def _sdpo_rows(
-    head: LMHead, inputs: Mapping[str, Any], ids: torch.Tensor, taid_t: float | None, is_clip: float | None
+    head: LMHead, channel: SDPOChannel, inputs: Mapping[str, Any], ids: torch.Tensor, taid_t: float | None
 ) -> _SDPORows:
     batch, seq = ids.shape
     why = "for the SDPO channel (it is active because 'teacher_input_ids' or 'teacher_logits' is present)"
@@ -120,55 +130,34 @@ def _sdpo_rows(
             f"'input_ids' (and of 'teacher_input_ids'), got C={c}"
         )
     sample = get_mask(inputs, "self_distillation_mask", (batch,), default=torch.ones(batch, device=ids.device))
+    tokens = completion.to(torch.float32) * sample.to(torch.float32)[:, None]  # (B, C)
     first = seq - c - 1  # row t = first + j scores completion token j
     weights = torch.zeros(batch, seq - 1, dtype=torch.float32, device=ids.device)
-    weights[:, first:] = completion.to(torch.float32) * sample.to(torch.float32)[:, None]
+    weights[:, first:] = tokens
 
-    def completion_row(rows: torch.Tensor) -> torch.Tensor:  # scored row -> row of a (B·C, …) completion tensor
-        return (rows // (seq - 1)) * c + rows % (seq - 1) - first
-
-    labels = ids[:, seq - c :]
+    teacher_logits = t_ids = t_attn = None
     if inputs.get("teacher_logits") is not None:
         teacher_logits = get_float(inputs, "teacher_logits", (batch, c, "V"), why)
-        teacher = logits_source(teacher_logits.reshape(batch * c, -1), completion_row)
     else:
         t_ids = get_ids(inputs, "teacher_input_ids", (batch, "T_teacher"), why)
-        t_len = t_ids.shape[1]
-        if t_len <= c or not torch.equal(t_ids[:, t_len - c :], labels):
-            raise ValueError(
-                "inputs['teacher_input_ids'] must end with the same C completion tokens as 'input_ids' "
-                "(teacher prompt, then the student's completion); rebuild it as cat(teacher_prompt_ids, completion_ids)"
-            )
         t_attn = get_mask(inputs, "teacher_attention_mask", tuple(t_ids.shape), default=torch.ones_like(t_ids))
-        with torch.no_grad():
-            t_states = head.states(t_ids, t_attn).tensor[:, t_len - c - 1 : t_len - 1]
-        teacher = hidden_source(head, t_states.reshape(batch * c, -1), completion_row)
-
-    anchor = None
-    if taid_t is not None and inputs.get("student_init_logits") is not None:
-        init = get_float(inputs, "student_init_logits", (batch, seq, "V"), "for TAID")
-        anchor = logits_source(init[:, :-1].reshape(batch * (seq - 1), -1), lambda rows: rows)
-    elif taid_t is not None and inputs.get("student_init_input_ids") is not None:
-        init_ids = get_ids(inputs, "student_init_input_ids", (batch, seq), "for TAID")
-        warnings.warn(
-            "TAID: inputs['student_init_input_ids'] is scored by the *live* model; that equals the step-0 "
-            "student only before the first optimizer step. Pass precomputed inputs['student_init_logits'] "
-            "(captured at step 0) or neither key (the paper's current detached student) instead.",
-            UserWarning,
-            stacklevel=4,
-        )
-        with torch.no_grad():
-            init_states = head.states(init_ids, inputs.get("attention_mask")).tensor[:, :-1]
-        anchor = hidden_source(head, init_states.reshape(batch * (seq - 1), -1), lambda rows: rows)
-
     old = None
-    if is_clip is not None and inputs.get("old_per_token_logps") is not None:
-        given = get_float(inputs, "old_per_token_logps", (batch, c), "for sdpo_is_clip").detach()
-        old = torch.zeros(batch, seq - 1, dtype=given.dtype, device=given.device)
-        old[:, first:] = given
-        old = old.reshape(-1)
-    targets = SDPOTargets(teacher, taid_t, anchor, labels=ids[:, 1:].reshape(-1), old_logprobs=old)
-    return _SDPORows(targets, weights.reshape(-1))
+    if channel.config.is_clip is not None and inputs.get("old_per_token_logps") is not None:
+        old = get_float(inputs, "old_per_token_logps", (batch, c), "for sdpo_is_clip")
+    targets = sdpo_targets(
+        ids[:, seq - c :],
+        sample > 0,
+        teacher_logits=teacher_logits,
+        teacher=lambda input_ids, mask: (head, head.states(input_ids, mask)),
+        teacher_input_ids=t_ids,
+        teacher_attention_mask=t_attn,
+        old_logprobs=old,
+        taid_t=taid_t,
+        anchor=None if taid_t is None else _taid_anchor(head, inputs, ids, c),
+    )
+    rows = torch.arange(batch * (seq - 1), device=ids.device)
+    term = channel.term_at(targets, tokens, rows // (seq - 1), rows % (seq - 1) - first)
+    return _SDPORows(term, weights.reshape(-1))
 
 
 def _pair_side(inputs: Mapping[str, Any], side: str, pairs: int | None) -> SequenceBatch:
@@ -296,10 +285,15 @@ def compose_loss(
             f"TAID schedule is half-configured: `{missing}` is missing. Pass both taid_schedule_step and "
             "taid_total_steps (t = alpha_min + (alpha_max - alpha_min) * step / total), or neither."
         )
-    t_min = check_unit("taid_alpha_min", taid_alpha_min)
-    t_max = check_unit("taid_alpha_max", taid_alpha_max)
-    if t_min > t_max:
-        raise ValueError(f"`taid_alpha_min` ({t_min}) must not exceed `taid_alpha_max` ({t_max})")
+    sdpo_config = SDPOConfig(
+        alpha=check_unit("sdpo_alpha", sdpo_alpha),
+        top_k=sdpo_top_k,
+        is_clip=sdpo_is_clip,
+        wrapper=sdpo_wrapper,
+        taid_alpha_min=taid_alpha_min,
+        taid_alpha_max=taid_alpha_max,
+        entropy_opd_h_max=entropy_opd_h_max,
+    )
     if sdpo_wrapper != "taid" and (taid_schedule_step is not None or taid_schedule is not None):
         raise ValueError("TAID schedule arguments were given but sdpo_wrapper is not 'taid'; set sdpo_wrapper='taid'")
     if sdpo_wrapper == "taid" and taid_schedule_step is None:
@@ -307,15 +301,7 @@ def compose_loss(
             "sdpo_wrapper='taid' needs taid_schedule_step and taid_total_steps (the current and the total number "
             "of training steps) to place t on its schedule"
         )
-    sdpo_channel = SDPOChannel(
-        SDPOConfig(
-            alpha=check_unit("sdpo_alpha", sdpo_alpha),
-            top_k=sdpo_top_k,
-            is_clip=sdpo_is_clip,
-            wrapper=sdpo_wrapper,
-            entropy_opd_h_max=entropy_opd_h_max,
-        )
-    )
+    sdpo_channel = SDPOChannel(sdpo_config)
     preference = PreferenceConfig(
         variant=dpo_variant,
         beta=dpo_beta,
@@ -339,17 +325,17 @@ def compose_loss(
 
     taid_t = None
     if sdpo_wrapper == "taid":
-        taid_t = _taid_t(taid_schedule_step, taid_total_steps, t_min, t_max, taid_schedule)
+        taid_t = sdpo_config.taid_t(taid_schedule_step, taid_total_steps, taid_schedule)
     sdpo_rows = None
     if inputs.get("teacher_input_ids") is not None or inputs.get("teacher_logits") is not None:
-        sdpo_rows = _sdpo_rows(head, inputs, ids, taid_t, sdpo_is_clip)
+        sdpo_rows = _sdpo_rows(head, sdpo_channel, inputs, ids, taid_t)
 
     states = head.states(ids, attention)
     rows = states.tensor[:, :-1].reshape(-1, states.tensor.shape[-1])
     labels, mask = ids[:, 1:].reshape(-1), response.reshape(-1)
     terms, weights, scales = [lm_ce_term(labels, mask)], [mean_weights(mask)], [lm_w]
     if sdpo_rows is not None:
-        terms.append(sdpo_channel.term(sdpo_rows.targets, sdpo_rows.weights > 0))
+        terms.append(sdpo_rows.term)
         weights.append(mean_weights(sdpo_rows.weights))
         scales.append(sdpo_w)
     fused, values = head.weighted_sums(rows, is_logits=states.is_logits, terms=terms, weights=weights, scales=scales)

@@ -3,7 +3,8 @@
 * :mod:`~crf_core.channels.head` — the policy's decoder + linear LM head, scored per token, chunked at large
   vocabularies (no ``(B, T, V)`` logits).
 * :mod:`~crf_core.channels.grpo` — GRPO: TRL's loss math on chunked per-token log-probs and entropies.
-* :mod:`~crf_core.channels.sdpo` — SDPO self-distillation (generalised JSD; TAID and Entropy-OPD wrappers).
+* :mod:`~crf_core.channels.sdpo` — SDPO self-distillation (generalised JSD; TAID and Entropy-OPD wrappers) and
+  its targets (:func:`~crf_core.channels.sdpo.sdpo_targets`: teacher forward, completion rows, old log-probs).
 * :mod:`~crf_core.channels.trace_replay_dpo` — trace-replay DPO (TRL's DPO loss types, SimPO).
 * :mod:`~crf_core.channels.lm_ce` — ``compose_loss``'s next-token cross-entropy (the verification stand-in).
 """
@@ -21,7 +22,7 @@ from crf_core.channels.head import (
     token_mean,
 )
 from crf_core.channels.lm_ce import lm_ce_term
-from crf_core.channels.sdpo import SDPO_WRAPPERS, SDPOChannel, SDPOConfig, SDPOTargets
+from crf_core.channels.sdpo import SDPO_WRAPPERS, SDPOChannel, SDPOConfig, SDPOTargets, TeacherForward, sdpo_targets
 from crf_core.channels.trace_replay_dpo import (
     DPO_VARIANTS,
     PreferenceConfig,
@@ -47,11 +48,13 @@ __all__ = [
     "SDPOTargets",
     "SequenceBatch",
     "SequenceLogps",
+    "TeacherForward",
     "TraceReplayDPOChannel",
     "hidden_source",
     "lm_ce_term",
     "logits_source",
     "mean_weights",
     "score_completions",
+    "sdpo_targets",
     "token_mean",
 ]

@@ -18,29 +18,39 @@ under no-grad on ``[reprompt ; completion]``), both at the sampling temperature:
 
 The channel is one :class:`~crf_distill.RowTerm` (``D·w`` per row) scored in the same LM-head pass as the
 student's other rows (see ``crf_core.channels.head``), so it never needs its own ``(B, C, V)`` logits, then a
-token mean. Used unchanged by ``compose_loss`` and by ``ComposerReplicationTrainer``.
+token mean. Used unchanged by ``compose_loss`` and by ``ComposerReplicationTrainer``, which both build the
+channel's inputs with :func:`sdpo_targets` (one home for the teacher forward, the slice at the completion offset,
+the row mapping to the teacher, the old log-prob alignment and the row layout) and score it with
+:meth:`SDPOChannel.term_at`.
+
+Row layout: :class:`SDPOTargets` hold one row per completion token, row ``b·C + j`` for token ``j`` of sample ``b``
+(``B`` samples, ``C`` completion tokens). A caller whose head pass scores other rows (``compose_loss`` every
+next-token prediction, the trainer the real completion tokens) names each scored row's ``(sample, position)``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from crf_core.channels._validate import check_choice, check_number, check_optional_int, check_unit
-from crf_core.channels.head import RowSource
+from crf_core.channels.head import HeadStates, LMHead, RowSource, hidden_source, logits_source
 from crf_distill import (
     RowTerm,
+    TAIDSchedule,
     entropy_opd_per_token,
     generalized_jsd_per_token,
     is_ratio_weight,
+    taid_linear_t,
     taid_target_logprobs,
     token_logprobs,
 )
 
-__all__ = ["SDPO_WRAPPERS", "SDPOChannel", "SDPOConfig", "SDPOTargets"]
+__all__ = ["SDPO_WRAPPERS", "SDPOChannel", "SDPOConfig", "SDPOTargets", "TeacherForward", "sdpo_targets"]
 
 SDPOWrapper = Literal["taid", "entropy_opd"]
 SDPO_WRAPPERS: tuple[str | None, ...] = (None, "taid", "entropy_opd")
@@ -57,6 +67,10 @@ class SDPOConfig:
         add_tail: with top-k, add a tail bucket holding the remaining mass (else renormalise the top-k).
         is_clip: cap of the detached truncated IS weight; None disables it.
         wrapper: None, ``"taid"`` or ``"entropy_opd"``.
+        taid_alpha_min, taid_alpha_max: TAID's ``t`` at the start and at the end of training (the paper's
+            ``t_start``/``t_end``, in [0, 1]; min <= max).
+        taid_step_size, taid_momentum: the adaptive schedule's step size and momentum (the paper's α and β).
+        taid_adaptive: the paper's adaptive schedule; False = the linear one.
         entropy_opd_h_max: teacher-entropy threshold in nats (required with ``entropy_opd``).
         entropy_opd_gate: ``"hard"`` ``1[H > h_max]``, ``"sigmoid"`` ``σ(s·(H − h_max))`` or ``"linear"``
             ``clamp(H / h_max, 0, 1)``.
@@ -69,6 +83,11 @@ class SDPOConfig:
     add_tail: bool = True
     is_clip: float | None = None
     wrapper: SDPOWrapper | None = None
+    taid_alpha_min: float = 0.4
+    taid_alpha_max: float = 1.0
+    taid_step_size: float = 5e-4
+    taid_momentum: float = 0.99
+    taid_adaptive: bool = True
     entropy_opd_h_max: float | None = None
     entropy_opd_gate: EntropyGate = "hard"
     entropy_opd_sharpness: float = 5.0
@@ -82,6 +101,10 @@ class SDPOConfig:
         if self.is_clip is not None:
             check_number("sdpo_is_clip", self.is_clip, low=0.0, low_inclusive=False, none_means="disabled")
         check_choice("sdpo_wrapper", self.wrapper, SDPO_WRAPPERS)
+        t_min = check_unit("taid_alpha_min", self.taid_alpha_min)
+        t_max = check_unit("taid_alpha_max", self.taid_alpha_max)
+        if t_min > t_max:
+            raise ValueError(f"`taid_alpha_min` ({t_min}) must not exceed `taid_alpha_max` ({t_max})")
         check_choice("entropy_opd_gate", self.entropy_opd_gate, ("hard", "sigmoid", "linear"))
         check_number("entropy_opd_sharpness", self.entropy_opd_sharpness)
         check_number("entropy_opd_forward_weight", self.entropy_opd_forward_weight, low=0.0)
@@ -100,16 +123,44 @@ class SDPOConfig:
                 "`entropy_opd_h_max` was given but sdpo_wrapper is not 'entropy_opd'; set it or drop h_max"
             )
 
+    def taid_schedule(self) -> TAIDSchedule | None:
+        """A fresh TAID schedule (state ``t``, previous loss, momentum) with ``wrapper="taid"``, else None (the
+        schedule validates step size and momentum, and needs ``taid_alpha_min < 1``)."""
+        if self.wrapper != "taid":
+            return None
+        return TAIDSchedule(
+            t_start=self.taid_alpha_min,
+            t_end=self.taid_alpha_max,
+            alpha=self.taid_step_size,
+            beta=self.taid_momentum,
+            disable_adaptive=not self.taid_adaptive,
+        )
+
+    def taid_t(self, step: int | None, total: int | None, schedule: TAIDSchedule | None = None) -> float:
+        """TAID's ``t`` of this step: ``schedule.t`` (whose bounds must be this config's), else the linear
+        ``taid_alpha_min + (taid_alpha_max − taid_alpha_min)·step/total``."""
+        if schedule is not None:
+            if (schedule.t_start, schedule.t_end) != (self.taid_alpha_min, self.taid_alpha_max):
+                raise ValueError(
+                    f"taid_schedule has t_start/t_end = ({schedule.t_start}, {schedule.t_end}) but taid_alpha_min/max"
+                    f" = ({self.taid_alpha_min}, {self.taid_alpha_max}); build the schedule with the same bounds"
+                )
+            return schedule.t
+        if step is None or total is None:
+            raise ValueError("TAID's linear t needs the current and the total number of training steps")
+        return taid_linear_t(step, total, self.taid_alpha_min, self.taid_alpha_max)
+
 
 @dataclass(frozen=True)
 class SDPOTargets:
-    """What one step's SDPO term reads besides the student logits.
+    """What one step's SDPO term reads besides the student logits, one row per completion token (built by
+    :func:`sdpo_targets` in the row layout ``b·C + j``; :meth:`rows` re-indexes them onto other rows).
 
     Attributes:
-        teacher: teacher logits of each scored row (no grad).
+        teacher: teacher logits of each row (no grad).
         taid_t: TAID's interpolation coefficient in [0, 1] (``wrapper="taid"`` only).
-        anchor: TAID anchor logits of each scored row; None anchors on the current detached student (paper).
-        labels: ``(N,)`` sampled token of each scored row (for ``is_clip``).
+        anchor: TAID anchor logits of each row; None anchors on the current detached student (paper).
+        labels: ``(N,)`` sampled token of each row (for ``is_clip``).
         old_logprobs: ``(N,)`` behaviour log-probs of those tokens; None is on-policy (the IS weight is then the
             constant ``min(1, is_clip)``).
     """
@@ -119,6 +170,84 @@ class SDPOTargets:
     anchor: RowSource | None = None
     labels: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
+
+    def rows(self, index: torch.Tensor) -> SDPOTargets:
+        """These targets seen from other rows: row ``i`` of the result is row ``index[i]`` ``(N',)`` of these."""
+        teacher, anchor = self.teacher, self.anchor
+        return SDPOTargets(
+            teacher=lambda rows: teacher(index[rows]),
+            taid_t=self.taid_t,
+            anchor=None if anchor is None else (lambda rows: anchor(index[rows])),
+            labels=None if self.labels is None else self.labels[index],
+            old_logprobs=None if self.old_logprobs is None else self.old_logprobs[index],
+        )
+
+
+TeacherForward = Callable[[torch.Tensor, torch.Tensor], tuple[LMHead, HeadStates]]
+"""``forward(input_ids (n, L), attention_mask (n, L)) -> (head, states)``: the self-teacher's head and its decoder
+states (or full logits) on ``n`` sequences, under no-grad (``LMHead.states`` of the teacher model)."""
+
+
+def completion_states(states: HeadStates, completion: int) -> torch.Tensor:
+    """The ``(n, C, H)`` rows of ``(n, L, H)`` states that predict the last ``completion`` tokens (position
+    ``L − C − 1 + j`` predicts completion token ``j``)."""
+    length = states.tensor.shape[1]
+    return states.tensor[:, length - completion - 1 : length - 1]
+
+
+def _no_teacher(rows: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError(f"no sample has a teacher signal, yet teacher rows {rows.tolist()} were asked for")
+
+
+def sdpo_targets(
+    completion_ids: torch.Tensor,
+    signal: torch.Tensor,
+    *,
+    teacher_logits: torch.Tensor | None = None,
+    teacher: TeacherForward | None = None,
+    teacher_input_ids: torch.Tensor | None = None,
+    teacher_attention_mask: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    taid_t: float | None = None,
+    anchor: RowSource | None = None,
+) -> SDPOTargets:
+    """SDPO's targets for ``B`` samples of ``C`` completion tokens, in the row layout ``b·C + j``.
+
+    The teacher is either precomputed ``teacher_logits`` ``(B, C, V)`` or ``teacher`` run under no-grad on
+    ``teacher_input_ids`` / ``teacher_attention_mask`` ``(B, L)`` (the teacher prompt, then the same ``C``
+    completion tokens) for the samples with a ``signal`` ``(B,)`` only; its states are sliced at the completion
+    offset and projected row by row on demand. ``old_logprobs`` ``(B, C)`` are the behaviour log-probs of the
+    completion tokens (for ``is_clip``); ``anchor`` is TAID's anchor over the same rows.
+    """
+    batch, c = completion_ids.shape
+    if signal.shape != (batch,):
+        raise ValueError(f"signal must be (B={batch},), got {tuple(signal.shape)}")
+    if teacher_logits is not None:
+        source = logits_source(teacher_logits.reshape(batch * c, -1), lambda rows: rows)
+    else:
+        if teacher is None or teacher_input_ids is None or teacher_attention_mask is None:
+            raise ValueError("SDPO targets need teacher_logits, or a teacher with teacher_input_ids/attention_mask")
+        length = teacher_input_ids.shape[1]
+        if length <= c or not torch.equal(teacher_input_ids[:, length - c :], completion_ids):
+            raise ValueError(
+                "inputs['teacher_input_ids'] must end with the same C completion tokens as 'input_ids' "
+                "(teacher prompt, then the student's completion); rebuild it as cat(teacher_prompt_ids, completion_ids)"
+            )
+        scored = signal.nonzero(as_tuple=True)[0]  # the teacher runs on the samples with a signal only
+        if scored.numel() == 0:  # no row is active, so no teacher row is ever read
+            return SDPOTargets(_no_teacher, taid_t, anchor, labels=completion_ids.reshape(-1))
+        with torch.no_grad():
+            head, states = teacher(teacher_input_ids[scored], teacher_attention_mask[scored])
+            flat = completion_states(states, c).reshape(scored.numel() * c, -1)
+        slot = torch.full((batch,), -1, dtype=torch.long, device=signal.device)
+        slot[scored] = torch.arange(scored.numel(), device=signal.device)
+
+        def teacher_row(rows: torch.Tensor) -> torch.Tensor:  # row b·C + j -> row slot[b]·C + j of `flat`
+            return slot[rows // c].clamp_min(0) * c + rows % c
+
+        source = hidden_source(head, flat, teacher_row)
+    old = None if old_logprobs is None else old_logprobs.detach().reshape(-1)
+    return SDPOTargets(source, taid_t, anchor, labels=completion_ids.reshape(-1), old_logprobs=old)
 
 
 class SDPOChannel:
@@ -176,3 +305,15 @@ class SDPOChannel:
             return generalized_jsd_per_token(student, target, alpha=cfg.alpha, top_k=cfg.top_k, add_tail=cfg.add_tail)
 
         return RowTerm(per_row, active=active)
+
+    def term_at(
+        self, targets: SDPOTargets, weights: torch.Tensor, sample: torch.Tensor, position: torch.Tensor
+    ) -> RowTerm:
+        """The term on scored rows given by their ``sample`` and completion ``position`` ``(N,)`` (a negative
+        position: not a completion token), active where the ``(B, C)`` token ``weights`` are > 0; ``targets`` are
+        :func:`sdpo_targets`' (row ``b·C + j``)."""
+        c = weights.shape[1]
+        inside = position >= 0
+        at = position.clamp_min(0)
+        active = inside & (weights[sample, at] > 0)
+        return self.term(targets.rows(sample * c + at), active)

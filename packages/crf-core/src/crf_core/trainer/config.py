@@ -453,10 +453,9 @@ class ComposerConfig(GRPOConfig):
             raise ValueError(f"sdpo_max_reprompt_len must be a positive int, got {self.sdpo_max_reprompt_len!r}")
         self._check_success_threshold()
         self.reprompt_config()  # validates the templates and the threshold
-        self.sdpo_config()
+        self.taid_schedule()  # validates the SDPO config with TAID's settings
         self.preference_config()
         self.chunk_plan()
-        self.taid_schedule()
         if not (isinstance(self.trace_replay_batch_size, int) and self.trace_replay_batch_size >= 1):
             raise ValueError(f"trace_replay_batch_size must be a positive int, got {self.trace_replay_batch_size!r}")
         if not (isinstance(self.trace_replay_max_length, int) and self.trace_replay_max_length >= 2):
@@ -517,6 +516,11 @@ class ComposerConfig(GRPOConfig):
             add_tail=self.sdpo_add_tail,
             is_clip=self.sdpo_is_clip,
             wrapper=self.sdpo_wrapper,  # type: ignore[arg-type]
+            taid_alpha_min=self.taid_alpha_min,
+            taid_alpha_max=self.taid_alpha_max,
+            taid_step_size=self.taid_step_size,
+            taid_momentum=self.taid_momentum,
+            taid_adaptive=self.taid_adaptive,
             entropy_opd_h_max=self.entropy_opd_h_max,
             entropy_opd_gate=self.entropy_opd_gate,  # type: ignore[arg-type]
             entropy_opd_sharpness=self.entropy_opd_sharpness,
@@ -575,19 +579,13 @@ class ComposerConfig(GRPOConfig):
         return ChunkPlan(mode=self.lm_head_chunking, chunk_size=self.chunk_size)  # type: ignore[arg-type]
 
     def taid_schedule(self) -> TAIDSchedule | None:
-        """A fresh TAID schedule (state ``t``, previous loss, momentum) when ``sdpo_wrapper='taid'``, else None."""
+        """A fresh TAID schedule (state ``t``, previous loss, momentum) when ``sdpo_wrapper='taid'``, else None
+        (built by :meth:`SDPOConfig.taid_schedule`, which holds TAID's settings)."""
         if self.sdpo_wrapper != "taid":
             for name in ("taid_alpha_min", "taid_alpha_max"):
                 if getattr(self, name) != type(self).__dataclass_fields__[name].default:
                     raise ValueError(f"{name} was set but sdpo_wrapper is not 'taid'; set sdpo_wrapper='taid'")
-            return None
-        return TAIDSchedule(
-            t_start=self.taid_alpha_min,
-            t_end=self.taid_alpha_max,
-            alpha=self.taid_step_size,
-            beta=self.taid_momentum,
-            disable_adaptive=not self.taid_adaptive,
-        )
+        return self.sdpo_config().taid_schedule()
 
     def reprompt_config(self) -> RepromptConfig:
         """The ``RepromptConfig`` these fields describe."""

@@ -40,9 +40,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,14 +58,14 @@ from crf_core.channels import (
     HeadStates,
     LMHead,
     SDPOChannel,
-    SDPOTargets,
     SequenceBatch,
     SequenceLogps,
     TraceReplayDPOChannel,
-    hidden_source,
     score_completions,
     token_mean,
 )
+from crf_core.channels.grpo import TermFactory
+from crf_core.channels.sdpo import sdpo_targets
 from crf_core.trainer._trl_contract import (
     GENERATION_OUTPUT_KEYS,
     TRLContractError,
@@ -78,7 +79,6 @@ from crf_core.trainer.sdpo_routing import route_samples
 from crf_core.trainer.startup import ChannelCost, parameter_bytes, startup_line
 from crf_core.trainer.state import STATE_FILE, ChannelState, config_mismatch
 from crf_core.trainer.teacher import AdapterEmaTeacher, EmaTeacher, is_peft_model
-from crf_distill import RowTerm
 
 __all__ = ["ComposerReplicationTrainer"]
 
@@ -98,35 +98,39 @@ _MULTIMODAL_KEYS = (
 )
 
 
-@dataclass
-class _SharedSDPO:
-    """The SDPO student term of one micro-batch, waiting to ride along GRPO's scoring pass."""
+@dataclass(frozen=True)
+class _SDPOStep:
+    """The SDPO channel's inputs of one micro-batch: its term on the scored completion rows (built from
+    ``crf_core.channels.sdpo.sdpo_targets``) and its ``(B, C)`` token weights."""
 
-    factory: Any
-    shape: tuple[int, int]
-    logits_to_keep: int
+    term: TermFactory
+    weights: torch.Tensor
+
+
+@dataclass
+class _StudentPass:
+    """What ``compute_loss`` hands TRL's GRPO loss as its ``model``: the policy and the SDPO term to score in the
+    same pass. TRL forwards it unchanged to :meth:`ComposerReplicationTrainer._get_per_token_logps_and_entropies`,
+    which scores both and leaves the scores here for the SDPO channel."""
+
+    model: Any
+    sdpo: TermFactory | None
     scores: CompletionScores | None = field(default=None)
 
 
 class _ChannelStep(TrainerCallback):
-    """At the start of training: one EMA self-teacher on every rank. After every optimizer step: move the EMA
-    self-teacher, advance TAID's schedule."""
+    """At the start of training ``begin()`` (one EMA self-teacher on every rank); after every optimizer step
+    ``step(global_step, max_steps)`` (move the EMA self-teacher, advance TAID's schedule)."""
 
-    def __init__(self, trainer: ComposerReplicationTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, begin: Callable[[], None], step: Callable[[int, int], None]) -> None:
+        self.begin = begin
+        self.step = step
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer.sdpo_teacher is not None:
-            self.trainer.sdpo_teacher.synchronise()
+        self.begin()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self.trainer
-        if trainer.sdpo_teacher is not None:
-            trainer.sdpo_teacher.update(trainer.accelerator.unwrap_model(trainer.model))
-        if trainer.taid_schedule is not None and trainer._taid_losses:
-            loss = sum(trainer._taid_losses) / len(trainer._taid_losses)
-            trainer.taid_schedule.update(loss, int(state.global_step), max(int(state.max_steps), 1))
-        trainer._taid_losses.clear()
+        self.step(int(state.global_step), max(int(state.max_steps), 1))
 
 
 class ComposerReplicationTrainer(GRPOTrainer):
@@ -167,7 +171,6 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._reprompt_config = args.reprompt_config()
         self._capture: tuple[list[Any], list[Any], torch.Tensor] | None = None
         self._feedback_calls: list[list[Any]] = []
-        self._shared: _SharedSDPO | None = None
         self._warned: set[str] = set()
 
         self.sdpo = SDPOChannel(args.sdpo_config()) if args.sdpo_weight > 0 else None
@@ -182,7 +185,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             # Under PEFT only the adapter trains: its EMA over the shared frozen base is the whole teacher.
             teacher_cls = AdapterEmaTeacher if is_peft_model(policy) else EmaTeacher
             self.sdpo_teacher = teacher_cls(policy, args.sdpo_teacher_update_rate)
-        self.add_callback(_ChannelStep(self))
+        self.add_callback(_ChannelStep(self._start_channels, self._advance_channels))
 
         self.preference = TraceReplayDPOChannel(args.preference_config())
         self._pairs: list[TokenizedPair] = []
@@ -194,6 +197,20 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.channel_costs, off = self._channel_costs()
         if self.accelerator.is_main_process:
             logger.info(startup_line(self.channel_costs, off))
+
+    def _start_channels(self) -> None:
+        """At the start of training: one EMA self-teacher on every rank."""
+        if self.sdpo_teacher is not None:
+            self.sdpo_teacher.synchronise()
+
+    def _advance_channels(self, global_step: int, max_steps: int) -> None:
+        """After every optimizer step: move the EMA self-teacher, advance TAID's schedule on the step's mean loss."""
+        if self.sdpo_teacher is not None:
+            self.sdpo_teacher.update(self.accelerator.unwrap_model(self.model))
+        if self.taid_schedule is not None and self._taid_losses:
+            loss = sum(self._taid_losses) / len(self._taid_losses)
+            self.taid_schedule.update(loss, global_step, max_steps)
+        self._taid_losses.clear()
 
     def _channel_costs(self) -> tuple[list[ChannelCost], list[str]]:
         """The channels that are on, with the model copy each holds (its parameter bytes), and those that are off."""
@@ -451,6 +468,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         compute_aux_loss: bool = False,
         **extra: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        student = model if isinstance(model, _StudentPass) else None
+        if student is not None:  # TRL's GRPO loss, called by compute_loss: the SDPO term rides along
+            model = student.model
         head = self._head(model)
         reason = self._trl_path_reason(head, compute_aux_loss, extra)
         if reason is not None:
@@ -468,13 +488,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 )
             )
             return result
-        shared = self._shared
-        if shared is not None and shared.shape == tuple(input_ids.shape) and shared.logits_to_keep == logits_to_keep:
-            self._shared = None
-            shared.scores = score_completions(
-                head, input_ids, attention_mask, logits_to_keep, entropy=compute_entropy, extra=shared.factory
+        if student is not None and student.sdpo is not None:
+            student.scores = score_completions(
+                head, input_ids, attention_mask, logits_to_keep, entropy=compute_entropy, extra=student.sdpo
             )
-            return shared.scores.logps, shared.scores.entropies, None
+            return student.scores.logps, student.scores.entropies, None
         step = batch_size or input_ids.shape[0]
         parts = [
             score_completions(
@@ -485,14 +503,6 @@ class ComposerReplicationTrainer(GRPOTrainer):
         logps = torch.cat([p.logps for p in parts])
         entropies = torch.cat([p.entropies for p in parts if p.entropies is not None]) if compute_entropy else None
         return logps, entropies, None
-
-    @contextmanager
-    def _sharing(self, shared: _SharedSDPO | None) -> Iterator[_SharedSDPO | None]:
-        self._shared = shared
-        try:
-            yield shared
-        finally:
-            self._shared = None
 
     # ------------------------------------------------------------------ loss
     def compute_loss(
@@ -505,13 +515,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         terms: list[torch.Tensor] = []
         sdpo_step = self._sdpo_step(model, inputs) if self.sdpo is not None else None
+        student = _StudentPass(model, None if sdpo_step is None else sdpo_step.term)
         if cfg.grpo_weight > 0:
-            with self._sharing(sdpo_step[0] if sdpo_step is not None else None):
-                grpo = super().compute_loss(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
+            grpo = super().compute_loss(student, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
             self._log_channel(mode, "grpo", float(grpo.detach()) * accumulation)
             terms.append(cfg.grpo_weight * grpo)
         if self.sdpo is not None:
-            sdpo = None if sdpo_step is None else self._sdpo_loss(model, inputs, *sdpo_step)
+            sdpo = None if sdpo_step is None else self._sdpo_loss(model, inputs, sdpo_step, student.scores)
             value = self._log_sdpo(mode, sdpo)
             if mode == "train" and self.taid_schedule is not None:
                 self._metrics[mode]["taid_t"].append(self.taid_schedule.t)
@@ -528,8 +538,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
             terms.append(torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0)
         return torch.stack([t.reshape(()).to(terms[0].dtype) for t in terms]).sum()
 
-    def _sdpo_step(self, model: Any, inputs: Mapping[str, Any]) -> tuple[_SharedSDPO, torch.Tensor] | None:
-        """The SDPO student term of this micro-batch and its ``(B, C)`` token weights; None without signal."""
+    def _sdpo_step(self, model: Any, inputs: Mapping[str, Any]) -> _SDPOStep | None:
+        """The SDPO term of this micro-batch and its ``(B, C)`` token weights; None without signal."""
         assert self.sdpo is not None
         for key in ("sdpo_teacher_prompt_ids", "sdpo_teacher_prompt_mask", "sdpo_mask"):
             if key not in inputs:
@@ -537,34 +547,19 @@ class ComposerReplicationTrainer(GRPOTrainer):
         signal = inputs["sdpo_mask"] > 0
         if not bool(signal.any()):
             return None
-        rows = signal.nonzero(as_tuple=True)[0]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         token_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        c = completion_ids.shape[1]
-        prompt = inputs["sdpo_teacher_prompt_ids"][rows]
-        t_ids = torch.cat([prompt, completion_ids[rows]], dim=1)
-        t_mask = torch.cat([inputs["sdpo_teacher_prompt_mask"][rows], completion_mask[rows]], dim=1)
-        teacher, states = self.teacher_states(model, t_ids, t_mask)
-        t_states = states.tensor[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + c]
-        flat = t_states.reshape(rows.numel() * c, -1)
-        slot = torch.full((signal.shape[0],), -1, dtype=torch.long, device=signal.device)
-        slot[rows] = torch.arange(rows.numel(), device=signal.device)
-        sdpo, taid_t = self.sdpo, None if self.taid_schedule is None else self.taid_schedule.t
-        old = inputs.get("old_per_token_logps")
-
-        def factory(sample: torch.Tensor, position: torch.Tensor) -> RowTerm:
-            index = slot[sample].clamp_min(0) * c + position
-            active = signal[sample] & (token_mask[sample, position] > 0)
-            targets = SDPOTargets(
-                hidden_source(teacher, flat, lambda r: index[r]),
-                taid_t=taid_t,
-                labels=completion_ids[sample, position],
-                old_logprobs=None if old is None else old[sample, position],
-            )
-            return sdpo.term(targets, active)
-
-        shape = (completion_ids.shape[0], inputs["prompt_ids"].shape[1] + c)
-        return _SharedSDPO(factory, shape, c), token_mask * signal[:, None]
+        targets = sdpo_targets(
+            completion_ids,
+            signal,
+            teacher=lambda ids, mask: self.teacher_states(model, ids, mask),
+            teacher_input_ids=torch.cat([inputs["sdpo_teacher_prompt_ids"], completion_ids], dim=1),
+            teacher_attention_mask=torch.cat([inputs["sdpo_teacher_prompt_mask"], completion_mask], dim=1),
+            old_logprobs=inputs.get("old_per_token_logps"),
+            taid_t=None if self.taid_schedule is None else self.taid_schedule.t,
+        )
+        weights = token_mask * signal[:, None]
+        return _SDPOStep(partial(self.sdpo.term_at, targets, weights), weights)
 
     def teacher_states(
         self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -585,24 +580,27 @@ class ComposerReplicationTrainer(GRPOTrainer):
             teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature, precision=self._precision)
             return teacher, teacher.states(input_ids, attention_mask)
 
-    def _sdpo_loss(self, model: Any, inputs: Mapping[str, Any], shared: _SharedSDPO, weights: torch.Tensor) -> Any:
+    def _sdpo_loss(
+        self, model: Any, inputs: Mapping[str, Any], step: _SDPOStep, scores: CompletionScores | None = None
+    ) -> Any:
+        """The SDPO token mean from the student ``scores`` GRPO's pass left (None: the student gets its own pass,
+        when GRPO is off or went through TRL's path)."""
         assert self.sdpo is not None
-        scores = shared.scores
-        if scores is None:  # GRPO is off (or went through TRL's path): the student gets its own pass
+        if scores is None:
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            scores = score_completions(self._head(model), ids, mask, shared.logits_to_keep, extra=shared.factory)
+            scores = score_completions(self._head(model), ids, mask, inputs["completion_ids"].shape[1], extra=step.term)
         assert scores.extra is not None
         # `sdpo_mask` is 1 per sample with a teacher signal, or that sample's routing weight (SC-SDPO); the
         # weight scales its terms while the mean still counts every signalled token once.
-        return token_mean(scores.extra * inputs["sdpo_mask"][:, None].to(scores.extra.dtype), weights)
+        return token_mean(scores.extra * inputs["sdpo_mask"][:, None].to(scores.extra.dtype), step.weights)
 
     def sdpo_channel_loss(self, model: Any, inputs: Mapping[str, Any]) -> torch.Tensor | None:
         """The SDPO loss of one micro-batch (before weight and GA scaling); None if no sample has a teacher signal."""
         if self.sdpo is None:
             raise ValueError("the SDPO channel is off (sdpo_weight=0)")
         step = self._sdpo_step(model, inputs)
-        return None if step is None else self._sdpo_loss(model, inputs, *step)
+        return None if step is None else self._sdpo_loss(model, inputs, step)
 
     # ------------------------------------------------------------------ trace-replay DPO
     def _setup_trace_replay(self, pairs: Iterable[Mapping[str, Any]] | None) -> None:
