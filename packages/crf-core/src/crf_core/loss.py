@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -26,11 +26,13 @@ from crf_core.channels import (
     DPO_VARIANTS,
     SDPO_WRAPPERS,
     ChunkPlan,
+    DPOVariant,
     LMHead,
     PreferenceConfig,
     RowSource,
     SDPOChannel,
     SDPOConfig,
+    SDPOWrapper,
     SequenceBatch,
     TraceReplayDPOChannel,
     hidden_source,
@@ -41,12 +43,8 @@ from crf_core.channels import (
 from crf_core.channels._validate import check_unit, check_weight
 from crf_core.channels.sdpo import completion_states, sdpo_targets
 from crf_distill import RowTerm, TAIDSchedule
-from crf_distill.dpo import DPOLossType
 
 __all__ = ["DPO_VARIANTS", "SDPO_WRAPPERS", "LossComponents", "compose_loss"]
-
-DPOVariant = Literal[DPOLossType, "simpo"]  # every crf_distill DPO loss type, plus SimPO
-SDPOWrapper = Literal["taid", "entropy_opd"]
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,22 @@ import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.wire import CODECS, ShardPlan, parse_codec
 
 __all__ = [
     "MAX_NUMEL",
+    "OUTCOMES",
     "PAYLOAD_DTYPES",
+    "REDUCE_OPS",
     "DecisionRecord",
     "MemberRecord",
+    "Outcome",
     "PayloadSpec",
     "QuorumRecord",
+    "ReduceOp",
     "VoteRecord",
     "parse_rank",
     "ranks_named",
@@ -35,6 +39,12 @@ _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 _MAX_TEXT = 4096
 #: dtypes a payload may come from (the reduction is fp32; results are checked for finiteness in these).
 PAYLOAD_DTYPES = ("float32", "float16", "bfloat16")
+ReduceOp = Literal["avg", "sum"]
+"""How contributions combine: their mean or their sum."""
+REDUCE_OPS: tuple[ReduceOp, ...] = get_args(ReduceOp)
+Outcome = Literal["commit", "abort"]
+"""A round's one decision."""
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 
 def parse_rank(text: str, world_size: int) -> int | None:
@@ -159,7 +169,7 @@ class PayloadSpec:
 
     numel: int
     codec: str
-    op: Literal["avg", "sum"]
+    op: ReduceOp
     name: str | None
     vote: bool
     dtypes: tuple[tuple[str, int], ...] = ()
@@ -174,7 +184,7 @@ class PayloadSpec:
         spec = PayloadSpec(
             r.integer("numel", 1),
             r.codec("codec"),
-            r.choice("op", ("avg", "sum")),
+            r.choice("op", REDUCE_OPS),
             r.text("name", optional=True),
             r.flag("vote"),
             r.dtype_runs("dtypes"),
@@ -323,7 +333,7 @@ class DecisionRecord:
     """``decision.json``: the round's single outcome. ``token`` is the quorum's (``None`` when aborted before it)."""
 
     round: int
-    outcome: Literal["commit", "abort"]
+    outcome: Outcome
     reason: str
     by: int
     token: str | None
@@ -349,7 +359,7 @@ class DecisionRecord:
         world = r.world()
         record = DecisionRecord(
             r.integer("round", round_id, round_id),
-            r.choice("outcome", ("commit", "abort")),
+            r.choice("outcome", OUTCOMES),
             r.text("reason"),
             r.rank("by"),
             r.text("token", optional=True, pattern=_TOKEN_RE),

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from crf_distill._checks import check_float_tensor
 
-__all__ = ["Reduction", "check_pair_tensors", "reduce_pairs"]
+__all__ = ["REDUCTIONS", "Reduction", "check_pair_tensors", "reduce_pairs"]
 
 Reduction = Literal["mean", "sum", "none"]
+REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
 
 
 def check_pair_tensors(**tensors: torch.Tensor) -> torch.Tensor:

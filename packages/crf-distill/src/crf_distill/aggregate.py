@@ -8,7 +8,7 @@ even when they are ``inf``/``NaN`` (they are replaced by 0 before weighting), an
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -17,7 +17,7 @@ from crf_distill._checks import check_float_tensor, check_mask
 __all__ = ["Aggregation", "aggregate", "masked_values"]
 
 Aggregation = Literal["token_mean", "seq_mean", "sum"]
-_MODES = ("token_mean", "seq_mean", "sum")
+_MODES: tuple[Aggregation, ...] = get_args(Aggregation)
 
 
 def masked_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

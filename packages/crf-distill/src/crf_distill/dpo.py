@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from crf_distill._checks import check_finite_float, check_in_range
-from crf_distill._pairs import Reduction, check_pair_tensors, reduce_pairs
+from crf_distill._pairs import REDUCTIONS, Reduction, check_pair_tensors, reduce_pairs
 
 __all__ = ["DPO_LOSS_TYPES", "DPOLossType", "dpo_loss"]
 
@@ -69,7 +69,7 @@ DPOLossType = Literal[
     "discopop",
     "sft",
 ]
-DPO_LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
+DPO_LOSS_TYPES: tuple[DPOLossType, ...] = get_args(DPOLossType)
 _LENGTH_NORMALISED = ("ipo", "sigmoid_norm")
 
 
@@ -218,7 +218,7 @@ def dpo_loss(
     tau = check_finite_float("discopop_tau", discopop_tau)
     if tau <= 0:
         raise ValueError(f"`discopop_tau` must be > 0 (the paper's default is 0.05), got {discopop_tau}")
-    if reduction not in ("mean", "sum", "none"):
+    if reduction not in REDUCTIONS:
         raise ValueError(f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
     for name, value in (
         ("policy_chosen_logps", policy_chosen_logps),

@@ -19,7 +19,7 @@ Shapes: logits ``(..., V)``, mask ``(...)``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -27,9 +27,19 @@ from crf_distill._checks import check_finite_float
 from crf_distill._support import cross_entropy_per_token, kl_per_token, support_logprobs
 from crf_distill.aggregate import Aggregation, aggregate
 
-__all__ = ["EntropyGate", "entropy_opd_loss", "entropy_opd_per_token", "teacher_entropy_gate", "token_entropy"]
+__all__ = [
+    "ENTROPY_GATES",
+    "EntropyCombine",
+    "EntropyGate",
+    "entropy_opd_loss",
+    "entropy_opd_per_token",
+    "teacher_entropy_gate",
+    "token_entropy",
+]
 
 EntropyGate = Literal["hard", "sigmoid", "linear"]
+ENTROPY_GATES: tuple[EntropyGate, ...] = get_args(EntropyGate)
+EntropyCombine = Literal["add", "convex"]
 
 
 def token_entropy(logprobs: torch.Tensor) -> torch.Tensor:
@@ -64,7 +74,7 @@ def entropy_opd_per_token(
     gate: EntropyGate = "hard",
     sharpness: float = 5.0,
     forward_weight: float = 1.0,
-    combine: Literal["add", "convex"] = "add",
+    combine: EntropyCombine = "add",
     top_k: int | None = None,
     add_tail: bool = True,
 ) -> torch.Tensor:
@@ -92,7 +102,7 @@ def entropy_opd_loss(
     gate: EntropyGate = "hard",
     sharpness: float = 5.0,
     forward_weight: float = 1.0,
-    combine: Literal["add", "convex"] = "add",
+    combine: EntropyCombine = "add",
     top_k: int | None = None,
     add_tail: bool = True,
     aggregation: Aggregation = "token_mean",

@@ -22,7 +22,9 @@ from typing import Any
 from crf_replaysim._version import __version__
 from crf_replaysim.formats import INPUT_FORMATS, OUTPUT_FORMATS
 from crf_replaysim.jsonl import DEFAULT_MAX_LINE_BYTES, loads_bounded
+from crf_replaysim.normalize import BACKENDS
 from crf_replaysim.progress import StderrProgress
+from crf_replaysim.replay import CHOSEN_SOURCES
 from crf_replaysim.teacher import (
     DEFAULT_API_KEY_ENV,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the null content of tool-calling assistant messages as null (keep, OpenAI's form) or as an "
         "empty string (empty: servers such as llama-cpp-python's reject null)",
     )
-    rp.add_argument("--chosen", choices=["teacher", "recorded"], default="teacher", help="which action is preferred")
+    rp.add_argument("--chosen", choices=CHOSEN_SOURCES, default="teacher", help="which action is preferred")
     rp.add_argument("--keep-identical", action="store_true", help="also write pairs where teacher == recorded")
     rp.add_argument("--max-pending", type=int, default=None, help="requests queued at most (default 4 x concurrency)")
     rp.add_argument(
@@ -149,9 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     np_.add_argument(
         "--recipe", type=Path, default=None, help="recipe YAML (default: the shipped recipes/default.yaml)"
     )
-    np_.add_argument(
-        "--backend", choices=["native", "data-juicer"], default="native", help="op implementation (default native)"
-    )
+    np_.add_argument("--backend", choices=BACKENDS, default="native", help="op implementation (default native)")
     np_.add_argument(
         "--skip-dj", action="store_true", help="pass records through unchanged (imports neither data-juicer nor Ray)"
     )

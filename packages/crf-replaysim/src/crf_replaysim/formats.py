@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from crf_replaysim.jsonl import loads_bounded
 from crf_replaysim.messages import MessageError, content_text, flatten_action, flatten_prompt, validate_messages
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 PairFormat = Literal["records", "trl-standard", "trl-conversational"]
-PAIR_FORMATS: tuple[str, ...] = ("records", "trl-standard", "trl-conversational")
+PAIR_FORMATS: tuple[PairFormat, ...] = get_args(PairFormat)
 INPUT_FORMATS: tuple[str, ...] = ("auto", "records", "trl")
 """``auto``: whatever the first good row is; ``trl``: either TRL flavour."""
 OUTPUT_FORMATS: tuple[str, ...] = ("records", "trl", "trl-standard", "trl-conversational")

@@ -26,7 +26,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from crf_replaysim._normalize_shared import NormalizeSummary, map_message_text, message_texts, pair_text
 from crf_replaysim.formats import INPUT_FORMATS, OUTPUT_FORMATS, FormatReader, PairFormat, dj_record_to_trl
@@ -41,7 +41,7 @@ from crf_replaysim.ops._recipe import (
 from crf_replaysim.records import RecordError
 
 Backend = Literal["native", "data-juicer"]
-BACKENDS: tuple[str, ...] = ("native", "data-juicer")
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 
 class DJNormalizer:

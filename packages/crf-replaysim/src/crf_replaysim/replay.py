@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from crf_replaysim._replay_state import ReplayBusyError, ReplayState, ReplayStateError, file_sha256, state_paths
 from crf_replaysim.jsonl import DEFAULT_MAX_LINE_BYTES, check_output
@@ -43,7 +43,9 @@ from crf_replaysim.teacher import TeacherClient, TeacherError, TeacherHTTPError,
 from crf_replaysim.traces import MalformedLine, Trace, iter_traces
 
 __all__ = [
+    "CHOSEN_SOURCES",
     "FATAL_STATUSES",
+    "ChosenSource",
     "ReplayBusyError",
     "ReplayStateError",
     "ReplaySummary",
@@ -61,6 +63,8 @@ FATAL_STATUSES = frozenset({301, 302, 303, 307, 308, 401, 403, 404})
 replay_state_paths = state_paths
 
 ChosenSource = Literal["teacher", "recorded"]
+"""Which action of a decision point is preferred: the teacher's, or the recorded (student's) one."""
+CHOSEN_SOURCES: tuple[ChosenSource, ...] = get_args(ChosenSource)
 
 
 @dataclass
@@ -120,7 +124,7 @@ def build_pair(
     ``meta`` records the teacher model, the reply's ``usage``, which side is which, the trace's line,
     its own meta and its tools (so a TRL export can hand them to the chat template), plus ``extra_meta``.
     """
-    if chosen not in ("teacher", "recorded"):
+    if chosen not in CHOSEN_SOURCES:
         raise ValueError(f"chosen must be 'teacher' or 'recorded', got {chosen!r}")
     if not 1 <= turn < len(trace.messages) or trace.messages[turn]["role"] != "assistant":
         raise ValueError(f"turn {turn} of trace {trace.trace_id!r} is not an assistant decision point")
@@ -176,7 +180,7 @@ def unwritable_point(trace: Trace, turn: int, *, teacher_model: str, chosen: Cho
 
 
 def _check_options(chosen: str, max_pending: int | None) -> None:
-    if chosen not in ("teacher", "recorded"):
+    if chosen not in CHOSEN_SOURCES:
         raise ValueError(f"chosen must be 'teacher' or 'recorded', got {chosen!r}")
     if max_pending is not None and (
         isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1

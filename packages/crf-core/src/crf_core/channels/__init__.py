@@ -11,6 +11,8 @@
 
 from crf_core.channels.grpo import CompletionScores, score_completions
 from crf_core.channels.head import (
+    CHUNK_MODES,
+    ChunkMode,
     ChunkPlan,
     HeadPrecision,
     HeadStates,
@@ -22,9 +24,19 @@ from crf_core.channels.head import (
     token_mean,
 )
 from crf_core.channels.lm_ce import lm_ce_term
-from crf_core.channels.sdpo import SDPO_WRAPPERS, SDPOChannel, SDPOConfig, SDPOTargets, TeacherForward, sdpo_targets
+from crf_core.channels.sdpo import (
+    SDPO_WRAPPERS,
+    EntropyGate,
+    SDPOChannel,
+    SDPOConfig,
+    SDPOTargets,
+    SDPOWrapper,
+    TeacherForward,
+    sdpo_targets,
+)
 from crf_core.channels.trace_replay_dpo import (
     DPO_VARIANTS,
+    DPOVariant,
     PreferenceConfig,
     PreferenceResult,
     SequenceBatch,
@@ -33,10 +45,14 @@ from crf_core.channels.trace_replay_dpo import (
 )
 
 __all__ = [
+    "CHUNK_MODES",
     "DPO_VARIANTS",
     "SDPO_WRAPPERS",
+    "ChunkMode",
     "ChunkPlan",
     "CompletionScores",
+    "DPOVariant",
+    "EntropyGate",
     "HeadPrecision",
     "HeadStates",
     "LMHead",
@@ -46,6 +62,7 @@ __all__ = [
     "SDPOChannel",
     "SDPOConfig",
     "SDPOTargets",
+    "SDPOWrapper",
     "SequenceBatch",
     "SequenceLogps",
     "TeacherForward",

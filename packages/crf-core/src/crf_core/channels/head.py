@@ -24,13 +24,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
 from crf_distill import HeadScores, RowTerm, chunked_weighted_sums, head_logits, head_scores, logit_scores
 
 __all__ = [
+    "CHUNK_MODES",
+    "ChunkMode",
     "ChunkPlan",
     "HeadPrecision",
     "HeadStates",
@@ -44,6 +46,7 @@ __all__ = [
 
 MIB = 1 << 20
 ChunkMode = Literal["auto", "on", "off"]
+CHUNK_MODES: tuple[ChunkMode, ...] = get_args(ChunkMode)
 
 RowSource = Callable[[torch.Tensor], torch.Tensor]
 """``source(rows (n,) long) -> (n, V)`` logits for rows of a scored layout (no grad), e.g. a teacher's."""
@@ -66,7 +69,7 @@ class ChunkPlan:
     auto_threshold_mb: float = 64.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "on", "off"):
+        if self.mode not in CHUNK_MODES:
             raise ValueError(f"chunking mode must be 'auto', 'on' or 'off', got {self.mode!r}")
         size = self.chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):

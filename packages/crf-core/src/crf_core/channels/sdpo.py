@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -49,12 +49,22 @@ from crf_distill import (
     taid_target_logprobs,
     token_logprobs,
 )
+from crf_distill.entropy_opd import ENTROPY_GATES, EntropyGate
 
-__all__ = ["SDPO_WRAPPERS", "SDPOChannel", "SDPOConfig", "SDPOTargets", "TeacherForward", "sdpo_targets"]
+__all__ = [
+    "SDPO_WRAPPERS",
+    "EntropyGate",
+    "SDPOChannel",
+    "SDPOConfig",
+    "SDPOTargets",
+    "SDPOWrapper",
+    "TeacherForward",
+    "sdpo_targets",
+]
 
 SDPOWrapper = Literal["taid", "entropy_opd"]
-SDPO_WRAPPERS: tuple[str | None, ...] = (None, "taid", "entropy_opd")
-EntropyGate = Literal["hard", "sigmoid", "linear"]
+"""A distillation wrapper of the SDPO divergence (None: the plain generalised JSD)."""
+SDPO_WRAPPERS: tuple[SDPOWrapper | None, ...] = (None, *get_args(SDPOWrapper))
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,7 @@ class SDPOConfig:
         t_max = check_unit("taid_alpha_max", self.taid_alpha_max)
         if t_min > t_max:
             raise ValueError(f"`taid_alpha_min` ({t_min}) must not exceed `taid_alpha_max` ({t_max})")
-        check_choice("entropy_opd_gate", self.entropy_opd_gate, ("hard", "sigmoid", "linear"))
+        check_choice("entropy_opd_gate", self.entropy_opd_gate, ENTROPY_GATES)
         check_number("entropy_opd_sharpness", self.entropy_opd_sharpness)
         check_number("entropy_opd_forward_weight", self.entropy_opd_forward_weight, low=0.0)
         if self.wrapper == "entropy_opd":

@@ -15,15 +15,18 @@ vocabularies. Used unchanged by ``compose_loss`` and by ``ComposerReplicationTra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, TypeGuard, get_args
 
 import torch
 
-from crf_core.channels._validate import check_choice, check_number
+from crf_core.channels._validate import check_number
 from crf_core.channels.head import LMHead
 from crf_distill import DPO_LOSS_TYPES, dpo_loss, simpo_loss
+from crf_distill.dpo import DPOLossType
 
 __all__ = [
     "DPO_VARIANTS",
+    "DPOVariant",
     "PreferenceConfig",
     "PreferenceResult",
     "SequenceBatch",
@@ -32,27 +35,40 @@ __all__ = [
     "parse_variant",
 ]
 
-DPO_VARIANTS: tuple[str, ...] = (*DPO_LOSS_TYPES, "simpo")
+DPOVariant = Literal[DPOLossType, "simpo"]
+"""A preference loss: every ``crf_distill`` DPO loss type (TRL's ``loss_type`` names), plus SimPO."""
+DPO_VARIANTS: tuple[DPOVariant, ...] = get_args(DPOVariant)
 
 
-def parse_variant(value: object) -> str | tuple[str, ...]:
+def _is_loss_type(name: object) -> TypeGuard[DPOLossType]:
+    return name in DPO_LOSS_TYPES
+
+
+def _is_variant(name: object) -> TypeGuard[DPOVariant]:
+    return name in DPO_VARIANTS
+
+
+def parse_variant(value: object) -> DPOVariant | tuple[DPOLossType, ...]:
     """``dpo_variant`` as given: one name, a list/tuple of DPO loss types, or a comma-separated string of them."""
     if isinstance(value, str) and "," in value:
         value = tuple(part.strip() for part in value.split(","))
     if isinstance(value, (list, tuple)):
-        names = tuple(value)
-        if not names:
+        if not value:
             raise ValueError(f"dpo_variant must name at least one of {DPO_LOSS_TYPES}, got an empty list")
-        for name in names:
+        names: list[DPOLossType] = []
+        for name in value:
             if name == "simpo":
                 raise ValueError(
                     "dpo_variant='simpo' is reference-free and cannot be combined in a list with DPO loss types; "
                     "use it alone"
                 )
-            check_choice("dpo_variant", name, DPO_LOSS_TYPES)
-        return names[0] if len(names) == 1 else names
-    check_choice("dpo_variant", value, DPO_VARIANTS)
-    return value  # type: ignore[return-value]
+            if not _is_loss_type(name):
+                raise ValueError(f"dpo_variant must be one of {DPO_LOSS_TYPES}, got {name!r}")
+            names.append(name)
+        return names[0] if len(names) == 1 else tuple(names)
+    if not _is_variant(value):
+        raise ValueError(f"dpo_variant must be one of {DPO_VARIANTS}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -68,7 +84,7 @@ class PreferenceConfig:
         simpo_beta: SimPO β > 0. simpo_gamma: SimPO absolute target margin γ >= 0.
     """
 
-    variant: str | tuple[str, ...] = "sigmoid"
+    variant: DPOVariant | tuple[DPOLossType, ...] = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_beta: float = 2.0
@@ -99,6 +115,14 @@ class PreferenceConfig:
     def reference_free(self) -> bool:
         """SimPO needs no reference log-probs (given ones are ignored)."""
         return self.variant == "simpo"
+
+    @property
+    def loss_type(self) -> DPOLossType | tuple[DPOLossType, ...]:
+        """The DPO loss type(s) of ``variant`` (``crf_distill.dpo_loss``'s ``loss_type``); not for SimPO."""
+        variant = self.variant
+        if variant == "simpo":
+            raise ValueError("dpo_variant='simpo' is not a DPO loss type (it is reference-free); use simpo_loss")
+        return variant
 
 
 @dataclass(frozen=True)
@@ -197,7 +221,7 @@ class TraceReplayDPOChannel:
             ref_c,
             ref_r,
             beta=cfg.beta,
-            loss_type=cfg.variant,  # type: ignore[arg-type]
+            loss_type=cfg.loss_type,
             loss_weights=cfg.loss_weights,
             label_smoothing=cfg.label_smoothing,
             discopop_tau=cfg.discopop_tau,

@@ -44,15 +44,25 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal, TypeGuard, get_args
 
 from crf_core.rewards._verdict import BINARY, CALLS, METHODS, UNARY, call_method
 from crf_core.rewards.record import NotData, bounded_repr
 
-__all__ = ["MAX_TEST_CHARS", "Check", "UnitTest", "Unsplittable", "UnsplittableTestError", "parse_test", "parse_tests"]
+__all__ = [
+    "MAX_TEST_CHARS",
+    "UNSPLITTABLE",
+    "Check",
+    "UnitTest",
+    "Unsplittable",
+    "UnsplittableTestError",
+    "parse_test",
+    "parse_tests",
+]
 
 MAX_TEST_CHARS = 100_000
 Unsplittable = Literal["refuse", "verdict_in_sandbox"]
+UNSPLITTABLE: tuple[Unsplittable, ...] = get_args(Unsplittable)
 _MAX_OPERAND_BITS = 256
 _MIRROR = {"==": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<=", "is": "is", "is not": "is not"}
 _OPS: dict[type[ast.cmpop], str] = {
@@ -190,7 +200,7 @@ def parse_tests(tests: Sequence[str], unsplittable: Unsplittable = "refuse") -> 
 @functools.lru_cache(maxsize=8192)
 def parse_test(source: str, unsplittable: Unsplittable = "refuse") -> UnitTest:
     """Parse one test (see the module docstring). Cached: a dataset row is scored many times."""
-    if unsplittable not in ("refuse", "verdict_in_sandbox"):
+    if unsplittable not in UNSPLITTABLE:
         raise ValueError(f"unsplittable must be 'refuse' or 'verdict_in_sandbox', got {unsplittable!r}")
     if len(source) > MAX_TEST_CHARS:
         raise UnsplittableTestError(f"the test {bounded_repr(source)} is longer than {MAX_TEST_CHARS} characters")

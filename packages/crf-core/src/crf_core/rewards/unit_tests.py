@@ -34,7 +34,7 @@ from typing import Any
 from crf_core.messages import message_text
 from crf_core.rewards import _harness
 from crf_core.rewards._pool import SandboxPool
-from crf_core.rewards.asserts import Check, UnitTest, Unsplittable, parse_tests
+from crf_core.rewards.asserts import UNSPLITTABLE, Check, UnitTest, Unsplittable, parse_tests
 from crf_core.rewards.extract import extract_code
 from crf_core.rewards.record import MalformedRecord, NotData, Raised, Returned, bounded_repr, parse_record
 from crf_core.rewards.sandbox import Isolation, SandboxResult, require_isolation, run_python
@@ -113,7 +113,7 @@ class UnitTestReward:
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
         if not (isinstance(memory_mb, int) and memory_mb >= 64):
             raise ValueError(f"memory_mb must be an int >= 64, got {memory_mb!r}")
-        if unsplittable not in ("refuse", "verdict_in_sandbox"):
+        if unsplittable not in UNSPLITTABLE:
             raise ValueError(f"unsplittable must be 'refuse' or 'verdict_in_sandbox', got {unsplittable!r}")
         if not (isinstance(max_feedback_chars, int) and max_feedback_chars >= 200):
             raise ValueError(f"max_feedback_chars must be an int >= 200, got {max_feedback_chars!r}")

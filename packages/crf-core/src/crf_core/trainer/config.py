@@ -14,16 +14,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from trl import GRPOConfig
 
-from crf_core.channels import ChunkPlan, PreferenceConfig, SDPOConfig
+from crf_core.channels import ChunkMode, ChunkPlan, EntropyGate, PreferenceConfig, SDPOConfig, SDPOWrapper
 from crf_core.channels._validate import check_weight
+from crf_core.channels.trace_replay_dpo import parse_variant
 from crf_core.trainer.reprompt import (
     DEFAULT_FEEDBACK_TEMPLATE,
     DEFAULT_REPROMPT_TEMPLATE,
     DEFAULT_SOLUTION_TEMPLATE,
+    REPROMPT_TRUNCATIONS,
     RepromptConfig,
+    RepromptTruncation,
 )
 from crf_core.trainer.sdpo_routing import SDPO_GROUP_WEIGHTS, SDPO_ROUTINGS, SDPOGroupWeight, SDPORouting
 from crf_core.trainer.success import (
@@ -32,13 +36,15 @@ from crf_core.trainer.success import (
     SuccessThresholdMode,
     effective_success_threshold,
 )
+from crf_core.trainer.teacher import SDPO_TEACHERS, SDPOTeacher
 from crf_core.trainer.trl_sdpo import IS_CLIP_UNSET, resolve_trl_sdpo_options
 from crf_distill import TAIDSchedule
 
-__all__ = ["TRACE_REPLAY_REFERENCES", "ComposerConfig"]
+__all__ = ["TRACE_REPLAY_REFERENCES", "ComposerConfig", "TraceReplayReference"]
 
-#: Where the trace-replay DPO channel gets reference log-probs from (see ``trace_replay_reference``).
-TRACE_REPLAY_REFERENCES: tuple[str, ...] = ("auto", "precomputed", "initial", "ref_model", "adapter", "none")
+TraceReplayReference = Literal["auto", "precomputed", "initial", "ref_model", "adapter", "none"]
+"""Where the trace-replay DPO channel gets reference log-probs from (see ``trace_replay_reference``)."""
+TRACE_REPLAY_REFERENCES: tuple[TraceReplayReference, ...] = get_args(TraceReplayReference)
 
 
 @dataclass
@@ -95,7 +101,7 @@ class ComposerConfig(GRPOConfig):
         },
     )
 
-    sdpo_wrapper: str | None = field(
+    sdpo_wrapper: SDPOWrapper | None = field(
         default=None,
         metadata={
             "help": "Distillation wrapper of the SDPO divergence: None (generalised JSD), 'taid' (TAID's interpolated "
@@ -121,7 +127,7 @@ class ComposerConfig(GRPOConfig):
         default=None,
         metadata={"help": "Entropy-OPD: teacher-entropy threshold in nats (required with sdpo_wrapper='entropy_opd')."},
     )
-    entropy_opd_gate: str = field(
+    entropy_opd_gate: EntropyGate = field(
         default="hard",
         metadata={
             "help": "Entropy-OPD gate on the teacher entropy H: 'hard' 1[H > h_max], 'sigmoid' σ(s·(H − h_max)) or "
@@ -134,7 +140,7 @@ class ComposerConfig(GRPOConfig):
     )
 
     # ----------------------------------------------------------------- LM head execution
-    lm_head_chunking: str = field(
+    lm_head_chunking: ChunkMode = field(
         default="auto",
         metadata={
             "help": "Run the LM head in chunks of tokens so no (batch, tokens, vocab) logits tensor exists (GRPO "
@@ -149,7 +155,7 @@ class ComposerConfig(GRPOConfig):
     )
 
     # ----------------------------------------------------------------- SDPO: teacher
-    sdpo_teacher: str = field(
+    sdpo_teacher: SDPOTeacher = field(
         default="ema",
         metadata={
             "help": "Self-teacher weights: 'ema' = an exponential moving average of the policy, started from "
@@ -247,7 +253,7 @@ class ComposerConfig(GRPOConfig):
         default=10240,
         metadata={"help": "Longest teacher prompt in tokens; longer ones follow sdpo_reprompt_truncation."},
     )
-    sdpo_reprompt_truncation: str = field(
+    sdpo_reprompt_truncation: RepromptTruncation = field(
         default="right",
         metadata={
             "help": "What to do with a too-long teacher prompt: 'right' drops its end, 'left' its beginning, "
@@ -413,7 +419,7 @@ class ComposerConfig(GRPOConfig):
             "help": "Longest prompt+response in tokens; the prompt is cut from the left, the response from the right."
         },
     )
-    trace_replay_reference: str = field(
+    trace_replay_reference: TraceReplayReference = field(
         default="auto",
         metadata={
             "help": "Reference log-probs for DPO: 'precomputed' (record fields `ref_chosen_logps`/"
@@ -432,7 +438,7 @@ class ComposerConfig(GRPOConfig):
             check_weight(name, getattr(self, name))
         if self.grpo_weight == self.sdpo_weight == self.trace_replay_dpo_weight == 0:
             raise ValueError("every channel weight is 0, so nothing would be trained; set at least one weight > 0")
-        if self.sdpo_teacher not in ("ema", "live"):
+        if self.sdpo_teacher not in SDPO_TEACHERS:
             raise ValueError(f"sdpo_teacher must be 'ema' or 'live', got {self.sdpo_teacher!r}")
         if not 0.0 <= self.sdpo_teacher_update_rate <= 1.0:
             raise ValueError(f"sdpo_teacher_update_rate must be in [0, 1], got {self.sdpo_teacher_update_rate}")
@@ -445,7 +451,7 @@ class ComposerConfig(GRPOConfig):
                 "sdpo_routing='srpo' sends successful rollouts to GRPO, which is off (grpo_weight=0); set "
                 "grpo_weight > 0 or sdpo_routing='all'"
             )
-        if self.sdpo_reprompt_truncation not in ("left", "right", "error"):
+        if self.sdpo_reprompt_truncation not in REPROMPT_TRUNCATIONS:
             raise ValueError(
                 f"sdpo_reprompt_truncation must be 'left', 'right' or 'error', got {self.sdpo_reprompt_truncation!r}"
             )
@@ -515,14 +521,14 @@ class ComposerConfig(GRPOConfig):
             top_k=self.sdpo_top_k,
             add_tail=self.sdpo_add_tail,
             is_clip=self.sdpo_is_clip,
-            wrapper=self.sdpo_wrapper,  # type: ignore[arg-type]
+            wrapper=self.sdpo_wrapper,
             taid_alpha_min=self.taid_alpha_min,
             taid_alpha_max=self.taid_alpha_max,
             taid_step_size=self.taid_step_size,
             taid_momentum=self.taid_momentum,
             taid_adaptive=self.taid_adaptive,
             entropy_opd_h_max=self.entropy_opd_h_max,
-            entropy_opd_gate=self.entropy_opd_gate,  # type: ignore[arg-type]
+            entropy_opd_gate=self.entropy_opd_gate,
             entropy_opd_sharpness=self.entropy_opd_sharpness,
             entropy_opd_forward_weight=self.entropy_opd_forward_weight,
         )
@@ -565,7 +571,7 @@ class ComposerConfig(GRPOConfig):
     def preference_config(self) -> PreferenceConfig:
         """The trace-replay DPO channel's frozen config."""
         return PreferenceConfig(
-            variant=self.dpo_variant,
+            variant=parse_variant(self.dpo_variant),  # one name, a list or a comma-separated string of them
             beta=self.dpo_beta,
             label_smoothing=self.dpo_label_smoothing,
             simpo_beta=self.simpo_beta,
@@ -576,7 +582,7 @@ class ComposerConfig(GRPOConfig):
 
     def chunk_plan(self) -> ChunkPlan:
         """When and how finely the LM head runs in chunks."""
-        return ChunkPlan(mode=self.lm_head_chunking, chunk_size=self.chunk_size)  # type: ignore[arg-type]
+        return ChunkPlan(mode=self.lm_head_chunking, chunk_size=self.chunk_size)
 
     def taid_schedule(self) -> TAIDSchedule | None:
         """A fresh TAID schedule (state ``t``, previous loss, momentum) when ``sdpo_wrapper='taid'``, else None

@@ -24,7 +24,7 @@ import math
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from crf_core.messages import PromptLike, content_text, message_text
 
@@ -32,13 +32,19 @@ __all__ = [
     "DEFAULT_FEEDBACK_TEMPLATE",
     "DEFAULT_REPROMPT_TEMPLATE",
     "DEFAULT_SOLUTION_TEMPLATE",
+    "REPROMPT_TRUNCATIONS",
     "Reprompt",
     "RepromptBatch",
     "RepromptConfig",
+    "RepromptTruncation",
     "build_reprompts",
     "message_text",
     "strip_thinking",
 ]
+
+RepromptTruncation = Literal["left", "right", "error"]
+"""What happens to a teacher prompt longer than its limit: drop its beginning, drop its end, or raise."""
+REPROMPT_TRUNCATIONS: tuple[RepromptTruncation, ...] = get_args(RepromptTruncation)
 
 #: The three templates of the SDPO reference implementation (verbatim defaults of its config).
 DEFAULT_REPROMPT_TEMPLATE = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"

@@ -21,12 +21,16 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-__all__ = ["AdapterEmaTeacher", "EmaTeacher", "is_peft_model"]
+__all__ = ["SDPO_TEACHERS", "AdapterEmaTeacher", "EmaTeacher", "SDPOTeacher", "is_peft_model"]
+
+SDPOTeacher = Literal["ema", "live"]
+"""The self-teacher's weights: ``"ema"`` an exponential moving average of the policy, ``"live"`` the policy."""
+SDPO_TEACHERS: tuple[SDPOTeacher, ...] = get_args(SDPOTeacher)
 
 
 def is_peft_model(model: Any) -> bool:

@@ -8,12 +8,15 @@ map to ``<unk>``. The model is a randomly initialised Llama or Qwen2 decoder siz
 from __future__ import annotations
 
 import string
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = ["DEFAULT_ALPHABET", "PLAIN_CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_char_tokenizer", "build_tiny_causal_lm"]
+
+Architecture = Literal["llama", "qwen2"]
+ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 
 #: Printable ASCII (letters, digits, punctuation, space) plus newline and tab.
 DEFAULT_ALPHABET: str = string.ascii_letters + string.digits + string.punctuation + " \n\t"
@@ -60,7 +63,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
 def build_tiny_causal_lm(
     tokenizer: PreTrainedTokenizerFast,
     *,
-    architecture: str = "llama",
+    architecture: Architecture = "llama",
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
@@ -79,7 +82,7 @@ def build_tiny_causal_lm(
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    if architecture not in ("llama", "qwen2"):
+    if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture={architecture!r} is not supported; use 'llama' or 'qwen2'")
     for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers), ("num_heads", num_heads)):
         if not isinstance(value, int) or value < 1:

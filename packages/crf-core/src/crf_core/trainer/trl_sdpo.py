@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+from crf_core.trainer.teacher import SDPOTeacher
 
 __all__ = [
     "IS_CLIP_UNSET",
@@ -33,6 +35,10 @@ __all__ = [
     "resolve_trl_sdpo_options",
     "trl_sdpo_markdown",
 ]
+
+TRLTeacherKind = Literal[SDPOTeacher, "base"]
+"""TRL ``SDPOConfig.teacher_model_kind``: crf's teacher kinds plus ``"base"`` (the frozen initial policy)."""
+TRL_TEACHER_KINDS: tuple[TRLTeacherKind, ...] = get_args(TRLTeacherKind)
 
 Status = Literal["alias", "mapped", "value", "refused"]
 
@@ -253,7 +259,7 @@ def resolve_trl_sdpo_options(config: Any) -> None:
         _put(config, "teacher_update_rate", "sdpo_teacher_update_rate", given["teacher_update_rate"])
     kind = given.get("teacher_model_kind")
     if kind is not None:
-        if kind not in ("ema", "live", "base"):
+        if kind not in TRL_TEACHER_KINDS:
             raise ValueError(f"teacher_model_kind must be 'ema', 'live' or 'base' (as in TRL), got {kind!r}")
         _put(config, "teacher_model_kind", "sdpo_teacher", "live" if kind == "live" else "ema")
         if kind == "base":

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 from crf_diloco.executors._process import ReplicaProcess, terminate_all
 from crf_diloco.executors.base import (
@@ -30,7 +30,9 @@ from crf_diloco.replica_env import replica_environment
 _RAY_INSTALL_HINT = "RayExecutor needs Ray, which is not installed: pip install 'crf-diloco[ray]'"
 _CANCEL_POLL_S = 0.2
 _CANCELLED = "cancelled by the launcher"
-_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+"""How a placement group spreads the replicas' bundles over nodes (Ray's strategy names)."""
+_PLACEMENT_STRATEGIES: tuple[PlacementStrategy, ...] = get_args(PlacementStrategy)
 
 
 def _import_ray() -> Any:
@@ -187,7 +189,7 @@ class RayExecutor:
         address: str | None = None,
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
-        placement_strategy: str = "PACK",
+        placement_strategy: PlacementStrategy = "PACK",
         placement_timeout_s: float = 60.0,
         cwd: str | None = None,
         runtime_env: Mapping[str, Any] | None = None,
