@@ -6,16 +6,19 @@ shapes. Masks are 1 on response tokens and 0 on prompt/padding throughout.
 
 from crf_distill._version import __version__
 from crf_distill.aggregate import Aggregation, aggregate
-from crf_distill.chunked import (
-    ChunkTerm,
-    chunked_distillation_loss,
-    chunked_fused_loss,
-    chunked_token_logprobs,
-    chunked_weighted_sums,
-)
+from crf_distill.chunked import ChunkTerm, chunked_distillation_loss, chunked_fused_loss, chunked_token_logprobs
 from crf_distill.dpo import DPO_LOSS_TYPES, dpo_loss
 from crf_distill.entropy_opd import entropy_opd_loss, entropy_opd_per_token, teacher_entropy_gate, token_entropy
-from crf_distill.head_scores import HeadScores, RowTerm, head_logits, head_scores, logit_scores
+from crf_distill.head_scores import (
+    HeadScores,
+    RowFn,
+    RowSource,
+    RowTerm,
+    chunked_weighted_sums,
+    head_logits,
+    head_scores,
+    logit_scores,
+)
 from crf_distill.jsd import generalized_jsd, generalized_jsd_per_token, is_ratio_weight
 from crf_distill.kl import forward_kl, forward_kl_per_token, reverse_kl, reverse_kl_per_token
 from crf_distill.logprobs import avg_sequence_logprob, sequence_logprob, token_logprobs
@@ -27,6 +30,8 @@ __all__ = [
     "Aggregation",
     "ChunkTerm",
     "HeadScores",
+    "RowFn",
+    "RowSource",
     "RowTerm",
     "TAIDSchedule",
     "__version__",

@@ -1,20 +1,19 @@
-"""Chunked fused-linear losses: ``lm_head`` matmul + loss without materialising ``(N, V)`` logits.
+"""Chunked fused-linear losses written per token: thin adapters over the one chunked API, :class:`RowTerm`.
 
-Inputs are last hidden states ``(N, H)`` and the ``lm_head`` weight ``(V, H)`` (+ optional bias ``(V,)``); rows
-are processed ``chunk_size`` at a time by :func:`crf_distill.head_scores`, so peak extra memory is about one
-``(chunk, V)`` block (plus its float32 temporaries), in the forward and in the backward, never ``(N, V)``.
+New losses are written as a :class:`~crf_distill.RowTerm` (``fn(logits (n, V), rows) -> (n,)``, teacher logits
+looked up through a :data:`~crf_distill.RowSource`) and scored by :func:`crf_distill.head_scores` (label log-probs,
+entropies and term values; any loss math afterwards) or :func:`crf_distill.chunked_weighted_sums` (a fixed weighted
+sum of terms, its gradient taken in the forward, Liger-Kernel's ``FlexChunkLoss`` strategy). Both run the one chunk
+loop of ``crf_distill.head_scores``; peak extra memory is about one ``(chunk, V)`` block, never ``(N, V)``.
 
-* :func:`chunked_token_logprobs` — per-token log-probs of labels (for CE, DPO, SimPO, IS ratios).
-* :func:`chunked_fused_loss` — several token-decomposable terms (CE, generalised JSD, KL, TAID,
-  Entropy-OPD: pass their ``*_per_token`` functions) sharing one chunked lm_head pass. Because the total is a
-  fixed weighted sum of the rows, its gradient w.r.t. hidden states, weight and bias is computed chunk by chunk
-  *inside the forward* (Liger-Kernel's ``FlexChunkLoss`` strategy: one matmul per chunk for the logits, two for
-  the gradients, the same count as unchunked autograd) and only scaled in the backward. Each term's value is
-  returned too and keeps its own gradient: backpropagating through a single term recomputes the chunks for it.
-  :func:`chunked_distillation_loss` is its one-term token-mean form.
+The functions here keep the per-token form of the first release and translate it, nothing more:
 
-Normalisation: ``chunked_distillation_loss`` is ``Σ_rows ℓ_r·m_r / D`` with ``D = Σ m`` (token mean) unless
-``num_items`` is given, identical to :func:`crf_distill.aggregate` with ``mode="token_mean"``.
+* :func:`chunked_token_logprobs` — ``head_scores``' log-probs, with an ``ignore_index``.
+* :class:`ChunkTerm` + :func:`chunked_fused_loss` — per-token losses ``fn(student, teacher, rows)`` with row
+  weights and scales, the teacher given as logits, hidden states + head, or a :data:`RowSource`; each
+  :class:`ChunkTerm` becomes a :class:`RowTerm` (:meth:`ChunkTerm.row_term`) for ``chunked_weighted_sums``.
+* :func:`chunked_distillation_loss` — the one-term token-mean form: ``Σ_rows ℓ_r·m_r / D`` with ``D = Σ m``
+  unless ``num_items`` is given, identical to :func:`crf_distill.aggregate` with ``mode="token_mean"``.
 """
 
 from __future__ import annotations
@@ -27,24 +26,20 @@ import torch
 
 from crf_distill._checks import check_float_tensor, check_mask
 from crf_distill.head_scores import (
+    RowSource,
     RowTerm,
-    accumulate_head_grads,
     check_chunk_size,
     check_head,
-    check_row_terms,
-    check_temperature,
-    grad_operand,
+    chunked_weighted_sums,
     head_logits,
     head_scores,
-    weighted_vjp,
 )
 from crf_distill.logprobs import compute_dtype
-from crf_distill.precision import autocast_off, projection_dtype
+from crf_distill.precision import projection_dtype
 
 __all__ = [
     "ChunkTerm",
     "PerTokenLoss",
-    "TeacherFn",
     "chunked_distillation_loss",
     "chunked_fused_loss",
     "chunked_token_logprobs",
@@ -101,9 +96,20 @@ class ChunkTerm:
     scale: float = 1.0
     needs_teacher: bool = True
 
+    def row_term(self, teacher: RowSource | None) -> RowTerm:
+        """This term as a :class:`RowTerm` on the rows of nonzero weight: the teacher's logits of the same rows are
+        looked up (no grad) when it ``needs_teacher``."""
+        per_token, needs_teacher = self.per_token, self.needs_teacher
 
-TeacherFn = Callable[[torch.Tensor], torch.Tensor]
-"""``fn(rows (n,) index tensor) -> (n, V)`` teacher logits of those rows (called under ``no_grad``)."""
+        def fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            target = None
+            if needs_teacher:
+                assert teacher is not None
+                with torch.no_grad():
+                    target = teacher(rows)
+            return per_token(logits, target, rows)
+
+        return RowTerm(fn, active=self.weights != 0)
 
 
 def _teacher_source(
@@ -113,8 +119,8 @@ def _teacher_source(
     teacher_hidden: torch.Tensor | None,
     teacher_weight: torch.Tensor | None,
     teacher_bias: torch.Tensor | None,
-    teacher_fn: TeacherFn | None,
-) -> TeacherFn | None:
+    teacher_fn: RowSource | None,
+) -> RowSource | None:
     if sum(x is not None for x in (teacher_logits, teacher_hidden, teacher_fn)) > 1:
         raise ValueError(
             "pass only one teacher: `teacher_logits` (N, V), `teacher_hidden` (N, H) + `teacher_weight`, or `teacher_fn`"
@@ -152,7 +158,7 @@ def chunked_fused_loss(
     teacher_hidden: torch.Tensor | None = None,
     teacher_weight: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
-    teacher_fn: TeacherFn | None = None,
+    teacher_fn: RowSource | None = None,
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Several token-decomposable losses sharing one chunked lm_head pass.
@@ -186,7 +192,7 @@ def chunked_fused_loss(
         raise ValueError(
             "a term needs the teacher: pass `teacher_logits` (N, V) or `teacher_hidden` + `teacher_weight`"
         )
-    row_terms = [RowTerm(_with_teacher(term, source), active=term.weights != 0) for term in terms]
+    row_terms = [term.row_term(source) for term in terms]
     return chunked_weighted_sums(
         hidden,
         weight,
@@ -196,189 +202,6 @@ def chunked_fused_loss(
         bias=bias,
         chunk_size=chunk_size,
     )
-
-
-def chunked_weighted_sums(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    terms: Sequence[RowTerm],
-    weights: Sequence[torch.Tensor],
-    scales: Sequence[float],
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    precision: torch.dtype | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``values[k] = Σ_r weights[k][r]·terms[k].fn(z_r)`` and ``total = Σ_k scales[k]·values[k]`` over the rows of
-    ``z = (h Wᵀ + b) / τ``, chunked, with the total's gradient taken in the forward (see the module docstring).
-
-    Args:
-        hidden: ``(N, H)``. weight: ``(V, H)``; bias: ``(V,)``. terms: the row functions (their ``active``
-            masks skip rows). weights: one ``(N,)`` tensor per term (e.g. a normalised mask). scales: one float
-            per term. temperature: ``τ > 0``. chunk_size: rows per chunk. precision: the dtype of the head
-            product (``crf_distill.precision``; None follows autocast and the weight).
-
-    Returns:
-        ``(total, values)``, all differentiable 0-d tensors (no double backward).
-    """
-    check_head(hidden, weight, bias)
-    check_chunk_size(chunk_size, optional=False)
-    if not (len(terms) == len(weights) == len(scales)) or not terms:
-        raise ValueError("pass one weights tensor and one scale per term, and at least one term")
-    check_row_terms(terms, hidden.shape[0])
-    for k, w in enumerate(weights):
-        check_mask(f"weights[{k}]", w, hidden.shape[:1])
-    check_temperature(temperature)
-    out = _ChunkedFused.apply(
-        hidden,
-        weight,
-        bias,
-        tuple(terms),
-        tuple(weights),
-        tuple(float(s) for s in scales),
-        float(temperature),
-        chunk_size,
-        projection_dtype(hidden, weight, precision),
-    )
-    return out[0], list(out[1:])
-
-
-class _ChunkedFused(torch.autograd.Function):
-    """Outputs ``(total, value_1, …, value_K)``; see :func:`chunked_fused_loss`."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        terms: tuple[RowTerm, ...],
-        weights: tuple[torch.Tensor, ...],
-        scales: tuple[float, ...],
-        temperature: float,
-        chunk_size: int,
-        precision: torch.dtype,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)
-        with autocast_off(hidden.device):
-            return _ChunkedFused._forward(
-                ctx, hidden, weight, bias, terms, weights, scales, temperature, chunk_size, precision
-            )
-
-    @staticmethod
-    def _forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        terms: tuple[RowTerm, ...],
-        weights: tuple[torch.Tensor, ...],
-        scales: tuple[float, ...],
-        temperature: float,
-        chunk_size: int,
-        precision: torch.dtype,
-    ) -> tuple[torch.Tensor, ...]:
-        dtype = compute_dtype(hidden)
-        grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
-        values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
-        live = list(zip(terms, weights, scales, strict=True))
-        operand = grad_operand(weight, precision)
-        for start, stop, h, z, rows in _chunks(hidden, weight, bias, temperature, chunk_size, precision):
-            dz, sums = weighted_vjp(z, rows, start, stop, live)
-            for total, part in zip(values, sums, strict=True):
-                total += part
-            if dz is not None:
-                accumulate_head_grads(dz, h, operand, temperature, *_rows_of(grads, start, stop), precision=precision)
-        ctx.save_for_backward(hidden, weight, bias, *weights, *(g if g is not None else torch.empty(0) for g in grads))
-        ctx.present = tuple(g is not None for g in grads)
-        ctx.terms, ctx.scales, ctx.temperature, ctx.chunk_size = terms, scales, temperature, chunk_size
-        ctx.precision, ctx.device = precision, hidden.device
-        total = sum((s * v for s, v in zip(scales, values, strict=True)), torch.zeros((), dtype=dtype))
-        return (total.to(hidden.device), *values)
-
-    @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor | None, *grad_values: torch.Tensor | None) -> tuple[Any, ...]:
-        with autocast_off(ctx.device):
-            return _ChunkedFused._backward(ctx, grad_total, *grad_values)
-
-    @staticmethod
-    def _backward(ctx: Any, grad_total: torch.Tensor | None, *grad_values: torch.Tensor | None) -> tuple[Any, ...]:
-        hidden, weight, bias, *rest = ctx.saved_tensors
-        k = len(ctx.terms)
-        weights, saved = rest[:k], rest[k:]
-        out: list[torch.Tensor | None] = []
-        for grad, present in zip(saved, ctx.present, strict=True):  # the total's gradient, computed in forward
-            out.append(grad * grad_total.to(grad.dtype) if present and grad_total is not None else None)
-        live = [(t, w, g) for t, w, g in zip(ctx.terms, weights, grad_values, strict=True) if g is not None]
-        if live:  # a term's own value was used: recompute its chunks
-            dtype = compute_dtype(hidden)
-            grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
-            operand = grad_operand(weight, ctx.precision)
-            chunks = _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size, ctx.precision)
-            for start, stop, h, z, rows in chunks:
-                dz, _ = weighted_vjp(z, rows, start, stop, live)
-                if dz is not None:
-                    accumulate_head_grads(
-                        dz, h, operand, ctx.temperature, *_rows_of(grads, start, stop), precision=ctx.precision
-                    )
-            out = [a if b is None else b if a is None else a + b for a, b in zip(out, grads, strict=True)]
-        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        result = [None if g is None or d is None else g.to(d) for g, d in zip(out, dtypes, strict=True)]
-        return (*result, None, None, None, None, None, None)
-
-
-def _grad_buffers(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    needed: tuple[bool, ...],
-    dtype: torch.dtype,
-) -> list[torch.Tensor | None]:
-    """Zeroed accumulators for ``∂/∂hidden``, ``∂/∂weight``, ``∂/∂bias`` (None where not needed)."""
-    shapes = (hidden.shape, weight.shape, None if bias is None else bias.shape)
-    return [
-        torch.zeros(shape, dtype=dtype, device=hidden.device) if need and shape is not None else None
-        for shape, need in zip(shapes, needed, strict=True)
-    ]
-
-
-def _rows_of(
-    grads: list[torch.Tensor | None], start: int, stop: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    grad_h, grad_w, grad_b = grads
-    return (None if grad_h is None else grad_h[start:stop]), grad_w, grad_b
-
-
-def _chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    chunk_size: int,
-    precision: torch.dtype,
-) -> Any:
-    """``(start, stop, h, logits, rows)`` for each chunk of rows."""
-    n = hidden.shape[0]
-    for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
-        h = hidden[start:stop]
-        z = head_logits(h, weight, bias, temperature, precision=precision)
-        yield start, stop, h, z, torch.arange(start, stop, device=hidden.device)
-
-
-def _with_teacher(term: ChunkTerm, source: TeacherFn | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``term.per_token`` as a row function: the teacher's logits of the same rows are looked up (no grad)."""
-
-    def fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        teacher = None
-        if term.needs_teacher:
-            assert source is not None
-            with torch.no_grad():
-                teacher = source(rows)
-        return term.per_token(logits, teacher, rows)
-
-    return fn
 
 
 def _token_mean_weights(mask: torch.Tensor, dtype: torch.dtype, num_items: float | torch.Tensor | None) -> torch.Tensor:

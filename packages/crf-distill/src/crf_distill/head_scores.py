@@ -12,16 +12,24 @@ per row, every quantity a training step needs from them:
 Every output is an ordinary differentiable ``(N,)`` tensor, so the caller combines them with any
 (non-linear, batch-coupled) loss math, e.g. TRL's GRPO normalisation, and each loss part keeps its own gradient.
 
-Two executions with the same math:
+This is crf-distill's one chunked API: a loss is a :class:`RowTerm` (its teacher, if any, a :data:`RowSource`
+looked up by row), and three executions share the math and the one chunk loop (``_chunks``):
 
-* ``chunk_size=None``: materialised, plain autograd through ``(N, V)`` logits (small vocabularies).
-* ``chunk_size=n``: rows are processed ``n`` at a time in a custom autograd function. The forward keeps only
-  ``(N,)`` statistics (logsumexp, entropy); the backward recomputes one chunk's logits at a time and turns
-  the upstream gradients into ``∂L/∂z`` (``g_lp·(onehot(y) − p) − g_H·p·(log p + H)`` plus each term's
-  vector-Jacobian product), then ``∂L/∂h = (∂L/∂z) W / τ`` and ``∂L/∂W += (∂L/∂z)ᵀ h / τ``. At most one chunk of
-  logits (and its temporaries) is alive at a time, in the forward and in the backward (the recompute
-  strategy of TRL's ``ChunkedLogProbFunction`` and of activation checkpointing; Liger computes the
-  gradient inside the forward, which needs the loss to be a fixed linear function of the rows).
+* ``head_scores(..., chunk_size=None)``: materialised, plain autograd through ``(N, V)`` logits (small
+  vocabularies).
+* ``head_scores(..., chunk_size=n)``: rows are processed ``n`` at a time in a custom autograd function. The
+  forward keeps only ``(N,)`` statistics (logsumexp, entropy); the backward recomputes one chunk's logits at a
+  time and turns the upstream gradients into ``∂L/∂z`` (``g_lp·(onehot(y) − p) − g_H·p·(log p + H)`` plus each
+  term's vector-Jacobian product), then ``∂L/∂h = (∂L/∂z) W / τ`` and ``∂L/∂W += (∂L/∂z)ᵀ h / τ``. At most one
+  chunk of logits (and its temporaries) is alive at a time, in the forward and in the backward (the recompute
+  strategy of TRL's ``ChunkedLogProbFunction`` and of activation checkpointing).
+* :func:`chunked_weighted_sums`: for a loss that is a fixed weighted sum of row terms, the total's gradient
+  w.r.t. hidden states, weight and bias is taken chunk by chunk *inside the forward* (Liger-Kernel's
+  ``FlexChunkLoss`` strategy: one matmul per chunk for the logits, two for the gradients, the same count as
+  unchunked autograd) and only scaled in the backward. Each term's value is returned too and keeps its own
+  gradient: backpropagating through a single term recomputes the chunks for it.
+
+``crf_distill.chunked`` keeps the first release's per-token entry points as thin adapters over these.
 
 Precision (``crf_distill.precision``, TRL 1.16's fused head): the product ``h Wᵀ`` runs in the projection dtype
 ``d`` (``precision``, else the autocast dtype when autocast is on, else a half weight's dtype, else float32;
@@ -32,7 +40,7 @@ once per call, so a backward run outside autocast recomputes the chunks exactly 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +58,24 @@ from crf_distill.precision import (
     rounded_weight,
 )
 
-__all__ = ["HeadScores", "RowFn", "RowTerm", "head_logits", "head_scores", "logit_scores"]
+__all__ = [
+    "HeadScores",
+    "RowFn",
+    "RowSource",
+    "RowTerm",
+    "chunked_weighted_sums",
+    "head_logits",
+    "head_scores",
+    "logit_scores",
+]
 
 RowFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``fn(logits (n, V), rows (n,) long) -> (n,)``: a per-row function of temperature-scaled logits; ``rows``
 index the ``N`` rows (use them to look up per-row extras such as teacher logits)."""
+
+RowSource = Callable[[torch.Tensor], torch.Tensor]
+"""``source(rows (n,) long) -> (n, V)``: logits of some rows of the scored layout (no grad), e.g. a teacher's or a
+TAID anchor's, looked up by a :class:`RowTerm`'s function."""
 
 
 @dataclass(frozen=True)
@@ -118,26 +139,35 @@ def _selected(active: torch.Tensor | None, start: int, stop: int) -> torch.Tenso
     return torch.nonzero(active[start:stop]).flatten()
 
 
+def _chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int,
+    precision: torch.dtype,
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The one chunk loop of every chunked pass: ``(start, stop, h, z, rows)`` per chunk of ``chunk_size`` rows,
+    ``z`` the chunk's logits (``head_logits``) and ``rows`` its row indices. It holds no chunk while the caller works
+    on the next one (the caller drops its own ``z`` before asking for the next chunk)."""
+    n = hidden.shape[0]
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        h = hidden[start:stop]
+        z = head_logits(h, weight, bias, temperature, precision=precision)
+        yield start, stop, h, z, torch.arange(start, stop, device=hidden.device)
+        del z
+
+
 class _ChunkedHeadScores(torch.autograd.Function):
+    """Outputs ``(logprobs, entropy, value_1, …, value_K)``; the backward recomputes the chunks (see
+    :func:`head_scores`)."""
+
     @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        labels: torch.Tensor,
-        terms: tuple[RowTerm, ...],
-        want_entropy: bool,
-        temperature: float,
-        chunk_size: int,
-        precision: torch.dtype,
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        with autocast_off(hidden.device):
-            outputs = _ChunkedHeadScores._forward(
-                ctx, hidden, weight, bias, labels, terms, want_entropy, temperature, chunk_size, precision
-            )
-        return outputs
+        with autocast_off(args[0].device):
+            return _ChunkedHeadScores._forward(ctx, *args)
 
     @staticmethod
     def _forward(
@@ -158,14 +188,11 @@ class _ChunkedHeadScores(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = (torch.empty if want_entropy else torch.zeros)(n, dtype=dtype, device=hidden.device)
         values = [torch.zeros(n, dtype=dtype, device=hidden.device) for _ in terms]
-        for start in range(0, n, chunk_size):
-            stop = min(start + chunk_size, n)
-            z = head_logits(hidden[start:stop], weight, bias, temperature, precision=precision)
+        for start, stop, _, z, rows in _chunks(hidden, weight, bias, temperature, chunk_size, precision):
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse[start:stop]
             if want_entropy:
                 entropy[start:stop] = _entropy(z, lse[start:stop])
-            rows = torch.arange(start, stop, device=hidden.device)
             for term, out in zip(terms, values, strict=True):
                 sel = _selected(term.active, start, stop)
                 if sel is None:
@@ -196,23 +223,13 @@ class _ChunkedHeadScores(torch.autograd.Function):
         g_lp, g_h, *g_terms = grads
         if not ctx.want_entropy:
             g_h = None
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dtype = lse.dtype
-        n = hidden.shape[0]
-        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        grad_b = (
-            torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b and bias is not None else None
-        )
+        grad_h, grad_w, grad_b = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
         live_terms = [(t, g, 1.0) for t, g in zip(ctx.terms, g_terms, strict=True) if g is not None]
         if g_lp is None and g_h is None and not live_terms:
             return (None,) * 9
         operand = grad_operand(weight, ctx.precision)
-        for start in range(0, n, ctx.chunk_size):
-            stop = min(start + ctx.chunk_size, n)
-            h = hidden[start:stop]
-            z = head_logits(h, weight, bias, ctx.temperature, precision=ctx.precision)
-            rows = torch.arange(start, stop, device=hidden.device)
+        for start, stop, h, z, rows in _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size, ctx.precision):
             dz, _ = weighted_vjp(z, rows, start, stop, live_terms)  # ∂(Σ_k g_k·term_k)/∂z, or None
             if g_lp is not None or g_h is not None:
                 log_p = z.sub_(lse[start:stop].unsqueeze(-1))  # z is not needed any more: reuse its storage
@@ -231,6 +248,7 @@ class _ChunkedHeadScores(torch.autograd.Function):
                 log_p.scatter_add_(-1, labels[start:stop].unsqueeze(-1), a.unsqueeze(-1))
                 dz = log_p if dz is None else dz.add_(log_p)
             if dz is None:  # nothing flows back through this chunk
+                del z
                 continue
             accumulate_head_grads(
                 dz,
@@ -428,3 +446,143 @@ def _scores_of(z: torch.Tensor, labels: torch.Tensor, terms: tuple[RowTerm, ...]
         out = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
         values.append(out.index_put((sel,), term.fn(z[sel], rows[sel]).to(z.dtype)) if sel.numel() else out)
     return HeadScores(logprobs, _entropy(z, lse) if entropy else None, tuple(values))
+
+
+def chunked_weighted_sums(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    terms: Sequence[RowTerm],
+    weights: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    precision: torch.dtype | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``values[k] = Σ_r weights[k][r]·terms[k].fn(z_r)`` and ``total = Σ_k scales[k]·values[k]`` over the rows of
+    ``z = (h Wᵀ + b) / τ``, chunked, with the total's gradient taken in the forward (see the module docstring).
+
+    Args:
+        hidden: ``(N, H)``. weight: ``(V, H)``; bias: ``(V,)``. terms: the row functions (their ``active``
+            masks skip rows). weights: one ``(N,)`` tensor per term (e.g. a normalised mask). scales: one float
+            per term. temperature: ``τ > 0``. chunk_size: rows per chunk. precision: the dtype of the head
+            product (``crf_distill.precision``; None follows autocast and the weight).
+
+    Returns:
+        ``(total, values)``, all differentiable 0-d tensors (no double backward).
+    """
+    check_head(hidden, weight, bias)
+    check_chunk_size(chunk_size, optional=False)
+    if not (len(terms) == len(weights) == len(scales)) or not terms:
+        raise ValueError("pass one weights tensor and one scale per term, and at least one term")
+    check_row_terms(terms, hidden.shape[0])
+    for k, w in enumerate(weights):
+        check_mask(f"weights[{k}]", w, hidden.shape[:1])
+    check_temperature(temperature)
+    out = _ChunkedFused.apply(
+        hidden,
+        weight,
+        bias,
+        tuple(terms),
+        tuple(weights),
+        tuple(float(s) for s in scales),
+        float(temperature),
+        chunk_size,
+        projection_dtype(hidden, weight, precision),
+    )
+    return out[0], list(out[1:])
+
+
+class _ChunkedFused(torch.autograd.Function):
+    """Outputs ``(total, value_1, …, value_K)``; the total's gradient is taken in the forward (see
+    :func:`chunked_weighted_sums`)."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        with autocast_off(args[0].device):
+            return _ChunkedFused._forward(ctx, *args)
+
+    @staticmethod
+    def _forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        terms: tuple[RowTerm, ...],
+        weights: tuple[torch.Tensor, ...],
+        scales: tuple[float, ...],
+        temperature: float,
+        chunk_size: int,
+        precision: torch.dtype,
+    ) -> tuple[torch.Tensor, ...]:
+        dtype = compute_dtype(hidden)
+        grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
+        values = [torch.zeros((), dtype=dtype, device=hidden.device) for _ in terms]
+        live = list(zip(terms, weights, scales, strict=True))
+        operand = grad_operand(weight, precision)
+        for start, stop, h, z, rows in _chunks(hidden, weight, bias, temperature, chunk_size, precision):
+            dz, sums = weighted_vjp(z, rows, start, stop, live)
+            for total, part in zip(values, sums, strict=True):
+                total += part
+            if dz is not None:
+                accumulate_head_grads(dz, h, operand, temperature, *_rows_of(grads, start, stop), precision=precision)
+        ctx.save_for_backward(hidden, weight, bias, *weights, *(g if g is not None else torch.empty(0) for g in grads))
+        ctx.present = tuple(g is not None for g in grads)
+        ctx.terms, ctx.scales, ctx.temperature, ctx.chunk_size = terms, scales, temperature, chunk_size
+        ctx.precision, ctx.device = precision, hidden.device
+        total = sum((s * v for s, v in zip(scales, values, strict=True)), torch.zeros((), dtype=dtype))
+        return (total.to(hidden.device), *values)
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor | None, *grad_values: torch.Tensor | None) -> tuple[Any, ...]:
+        with autocast_off(ctx.device):
+            return _ChunkedFused._backward(ctx, grad_total, *grad_values)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_total: torch.Tensor | None, *grad_values: torch.Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, bias, *rest = ctx.saved_tensors
+        k = len(ctx.terms)
+        weights, saved = rest[:k], rest[k:]
+        out: list[torch.Tensor | None] = []
+        for grad, present in zip(saved, ctx.present, strict=True):  # the total's gradient, computed in forward
+            out.append(grad * grad_total.to(grad.dtype) if present and grad_total is not None else None)
+        live = [(t, w, g) for t, w, g in zip(ctx.terms, weights, grad_values, strict=True) if g is not None]
+        if live:  # a term's own value was used: recompute its chunks
+            dtype = compute_dtype(hidden)
+            grads = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
+            operand = grad_operand(weight, ctx.precision)
+            chunks = _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size, ctx.precision)
+            for start, stop, h, z, rows in chunks:
+                dz, _ = weighted_vjp(z, rows, start, stop, live)
+                if dz is not None:
+                    accumulate_head_grads(
+                        dz, h, operand, ctx.temperature, *_rows_of(grads, start, stop), precision=ctx.precision
+                    )
+            out = [a if b is None else b if a is None else a + b for a, b in zip(out, grads, strict=True)]
+        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        result = [None if g is None or d is None else g.to(d) for g, d in zip(out, dtypes, strict=True)]
+        return (*result, None, None, None, None, None, None)
+
+
+def _grad_buffers(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    needed: tuple[bool, ...],
+    dtype: torch.dtype,
+) -> list[torch.Tensor | None]:
+    """Zeroed accumulators for ``∂/∂hidden``, ``∂/∂weight``, ``∂/∂bias`` (None where not needed)."""
+    shapes = (hidden.shape, weight.shape, None if bias is None else bias.shape)
+    return [
+        torch.zeros(shape, dtype=dtype, device=hidden.device) if need and shape is not None else None
+        for shape, need in zip(shapes, needed, strict=True)
+    ]
+
+
+def _rows_of(
+    grads: list[torch.Tensor | None], start: int, stop: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    grad_h, grad_w, grad_b = grads
+    return (None if grad_h is None else grad_h[start:stop]), grad_w, grad_b

@@ -28,7 +28,15 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from crf_distill import HeadScores, RowTerm, chunked_weighted_sums, head_logits, head_scores, logit_scores
+from crf_distill import (
+    HeadScores,
+    RowSource,
+    RowTerm,
+    chunked_weighted_sums,
+    head_logits,
+    head_scores,
+    logit_scores,
+)
 
 __all__ = [
     "CHUNK_MODES",
@@ -47,9 +55,6 @@ __all__ = [
 MIB = 1 << 20
 ChunkMode = Literal["auto", "on", "off"]
 CHUNK_MODES: tuple[ChunkMode, ...] = get_args(ChunkMode)
-
-RowSource = Callable[[torch.Tensor], torch.Tensor]
-"""``source(rows (n,) long) -> (n, V)`` logits for rows of a scored layout (no grad), e.g. a teacher's."""
 
 
 @dataclass(frozen=True)
