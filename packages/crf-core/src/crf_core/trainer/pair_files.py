@@ -5,38 +5,33 @@ conversational preference rows. A bad line (bad JSON or encoding, wrong schema, 
 skipped and reported with its line number, or, with ``strict``, fails the run. Chat pairs keep their prompt
 messages (rendered with the tokenizer's chat template); TRL standard rows train on the flat prompt as written.
 Precomputed reference log-probs may ride in a record's ``meta`` as ``ref_chosen_logps``/``ref_rejected_logps``.
+crf-replaysim's typed ``LoadedPair`` becomes the trainer's :class:`~crf_core.trainer.pairs.PairRecord` directly.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+
+from crf_core.trainer.pairs import PairRecord
 
 __all__ = ["read_pair_file"]
 
 logger = logging.getLogger(__name__)
 
-_REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
-
-def read_pair_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[dict[str, Any]]:
+def read_pair_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[PairRecord]:
     """The trainer's records (``prompt``/``chosen``/``rejected`` and, for chat pairs, ``prompt_messages``) of a
     pair file; bad lines are logged and skipped (``strict``: the first raises ``crf_replaysim.RecordError``)."""
     from crf_replaysim import RecordError, read_pairs
 
-    records: list[dict[str, Any]] = []
+    records: list[PairRecord] = []
     bad: list[RecordError] = []
     for item in read_pairs(path, strict=strict):
         if isinstance(item, RecordError):
             bad.append(item)
             continue
-        pair = item.pair
-        record: dict[str, Any] = {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected}
-        if item.chat:
-            record["prompt_messages"] = pair.prompt_messages
-        record.update({key: pair.meta[key] for key in _REFERENCE_KEYS if key in pair.meta})
-        records.append(record)
+        records.append(PairRecord.from_loaded(item, len(records)))
     if bad:
         shown = "; ".join(str(err) for err in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""

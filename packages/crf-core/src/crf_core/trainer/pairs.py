@@ -1,8 +1,10 @@
 """Trace-replay pairs in the trainer: tokenised once, cycled in a shared order, sharded across ranks.
 
-Records are crf-replaysim's normalised DPO pairs (flat ``prompt``/``chosen``/``rejected`` strings, optional
-``prompt_messages`` chat list and ``ref_chosen_logps``/``ref_rejected_logps`` numbers). The prompt is rendered
-with the tokenizer's chat template from ``prompt_messages`` when the tokenizer has one, else the flat
+A pair reaches tokenisation as a typed :class:`PairRecord`: straight from crf-replaysim's ``LoadedPair`` (its
+pair already validated by crf-replaysim's schema; :meth:`PairRecord.from_loaded`), or parsed once from a mapping
+as crf-replaysim writes them (flat ``prompt``/``chosen``/``rejected`` strings, optional ``prompt_messages`` chat
+list and ``ref_chosen_logps``/``ref_rejected_logps`` numbers; :meth:`PairRecord.from_mapping`). The prompt is
+rendered with the tokenizer's chat template from ``prompt_messages`` when the tokenizer has one, else the flat
 ``prompt`` is used; responses are the flat strings followed by EOS.
 
 Order: every rank draws the same sequence of permutations of all pairs (one seeded generator); each micro-batch
@@ -15,37 +17,98 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from crf_core.channels import SequenceBatch
 
-__all__ = ["PairCursor", "TokenizedPair", "check_pair_records", "collate_pairs", "tokenize_pairs"]
+if TYPE_CHECKING:
+    from crf_replaysim import LoadedPair
+
+__all__ = ["PairCursor", "PairRecord", "TokenizedPair", "check_pair_records", "collate_pairs", "tokenize_pairs"]
 
 _REQUIRED = ("prompt", "chosen", "rejected")
+_REFERENCES = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-def check_pair_records(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Copy records and check the keys the trainer reads (string prompt/chosen/rejected, finite references)."""
-    out = []
-    for i, record in enumerate(records):
+def _reference(index: int, key: str, value: Any) -> float | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    ):
+        raise ValueError(f"pair record {index}: {key!r} must be a finite number, got {value!r}")
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class PairRecord:
+    """What tokenisation reads of one trace-replay pair.
+
+    Attributes:
+        prompt, chosen, rejected: the flat texts (responses are trained as written, then EOS).
+        prompt_messages: the prompt as a chat list (rendered with the tokenizer's chat template), or None for a
+            pair whose flat prompt is the text to train on (TRL's standard format).
+        ref_chosen_logps, ref_rejected_logps: precomputed summed reference log-probs, or None.
+
+    ``record["chosen"]`` and ``"prompt_messages" in record`` read it like the dict records it replaces.
+    """
+
+    prompt: str
+    chosen: str
+    rejected: str
+    prompt_messages: list[dict[str, Any]] | None = None
+    ref_chosen_logps: float | None = None
+    ref_rejected_logps: float | None = None
+
+    @classmethod
+    def from_loaded(cls, item: LoadedPair, index: int = 0) -> PairRecord:
+        """A pair crf-replaysim read (schema-checked there, so only the references riding in ``meta`` are checked
+        here): chat pairs keep their prompt messages, TRL standard rows train on the flat prompt."""
+        pair = item.pair
+        refs = [_reference(index, key, pair.meta.get(key)) for key in _REFERENCES]
+        messages = pair.prompt_messages if item.chat else None
+        return cls(pair.prompt, pair.chosen, pair.rejected, messages, refs[0], refs[1])
+
+    @classmethod
+    def from_mapping(cls, record: Any, index: int = 0) -> PairRecord:
+        """A record as crf-replaysim writes them (a mapping), checked: string prompt/chosen/rejected, finite
+        references."""
         if not isinstance(record, Mapping):
-            raise TypeError(f"pair record {i} is {type(record).__name__}, expected a mapping (a JSON object)")
+            raise TypeError(f"pair record {index} is {type(record).__name__}, expected a mapping (a JSON object)")
         for key in _REQUIRED:
             if not isinstance(record.get(key), str):
                 raise ValueError(
-                    f"pair record {i} needs a string {key!r} (crf-replaysim's flat text); got "
+                    f"pair record {index} needs a string {key!r} (crf-replaysim's flat text); got "
                     f"{type(record.get(key)).__name__}. Normalise the pairs with crf-replaysim first"
                 )
-        for key in ("ref_chosen_logps", "ref_rejected_logps"):
-            value = record.get(key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            ):
-                raise ValueError(f"pair record {i}: {key!r} must be a finite number, got {value!r}")
-        out.append(dict(record))
+        refs = [_reference(index, key, record.get(key)) for key in _REFERENCES]
+        messages = record.get("prompt_messages")
+        return cls(record["prompt"], record["chosen"], record["rejected"], messages or None, refs[0], refs[1])
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in _FIELDS and getattr(self, str(key)) is not None
+
+
+_FIELDS = frozenset(f.name for f in fields(PairRecord))
+
+
+def check_pair_records(records: Iterable[Any]) -> list[PairRecord]:
+    """The :class:`PairRecord` of each item: a crf-replaysim ``LoadedPair`` as it is, a mapping checked once
+    (string prompt/chosen/rejected, finite references); at least one."""
+    out = []
+    for i, record in enumerate(records):
+        if isinstance(record, PairRecord):
+            out.append(record)
+        elif hasattr(record, "pair") and hasattr(record, "chat"):  # crf_replaysim.LoadedPair (an optional import)
+            out.append(PairRecord.from_loaded(record, i))
+        else:
+            out.append(PairRecord.from_mapping(record, i))
     if not out:
         raise ValueError("no trace-replay pairs were given; pass a non-empty pair file or list")
     return out
@@ -62,17 +125,17 @@ class TokenizedPair:
     ref_rejected_logps: float | None = None
 
 
-def _render_prompt(record: Mapping[str, Any], tokenizer: Any) -> str:
-    messages = record.get("prompt_messages")
+def _render_prompt(record: PairRecord, tokenizer: Any) -> str:
+    messages = record.prompt_messages
     if messages and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         if not isinstance(text, str):
             raise TypeError("the tokenizer's chat template did not render a string")
         return text
-    return str(record["prompt"])
+    return record.prompt
 
 
-def tokenize_pairs(records: Sequence[Mapping[str, Any]], tokenizer: Any, max_length: int) -> list[TokenizedPair]:
+def tokenize_pairs(records: Sequence[PairRecord], tokenizer: Any, max_length: int) -> list[TokenizedPair]:
     """Tokenise records; prompt + response is cut to ``max_length`` (prompt from the left, response from the right)."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
@@ -82,13 +145,13 @@ def tokenize_pairs(records: Sequence[Mapping[str, Any]], tokenizer: Any, max_len
     out = []
     for record in records:
         prompt = list(tokenizer(_render_prompt(record, tokenizer))["input_ids"])
-        sides = [[*tokenizer(record[k], add_special_tokens=False)["input_ids"], eos] for k in ("chosen", "rejected")]
+        sides = [
+            [*tokenizer(text, add_special_tokens=False)["input_ids"], eos] for text in (record.chosen, record.rejected)
+        ]
         keep_prompt = max(1, min(len(prompt), max_length - max(len(s) for s in sides)))
         prompt = prompt[-keep_prompt:]
         sides = [s[: max_length - len(prompt)] for s in sides]
-        out.append(
-            TokenizedPair(prompt, sides[0], sides[1], record.get("ref_chosen_logps"), record.get("ref_rejected_logps"))
-        )
+        out.append(TokenizedPair(prompt, sides[0], sides[1], record.ref_chosen_logps, record.ref_rejected_logps))
     return out
 
 

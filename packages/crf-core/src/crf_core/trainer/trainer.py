@@ -73,7 +73,14 @@ from crf_core.trainer._trl_contract import (
     check_trl_contract,
 )
 from crf_core.trainer.config import ComposerConfig
-from crf_core.trainer.pairs import PairCursor, TokenizedPair, check_pair_records, collate_pairs, tokenize_pairs
+from crf_core.trainer.pairs import (
+    PairCursor,
+    PairRecord,
+    TokenizedPair,
+    check_pair_records,
+    collate_pairs,
+    tokenize_pairs,
+)
 from crf_core.trainer.reprompt import PromptLike, build_reprompts
 from crf_core.trainer.sdpo_routing import route_samples
 from crf_core.trainer.startup import ChannelCost, parameter_bytes, startup_line
@@ -140,7 +147,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         model, reward_funcs, train_dataset, eval_dataset, processing_class, …: as ``GRPOTrainer``.
         args: a :class:`ComposerConfig` (a ``GRPOConfig`` with the channel fields).
         trace_replay_pairs: pair records (dicts with ``prompt``/``chosen``/``rejected``, as crf-replaysim
-            writes them) instead of ``args.trace_replay_path``.
+            writes them, or crf-replaysim's typed ``LoadedPair`` s from ``read_pairs``/``load_pairs``) instead of
+            ``args.trace_replay_path``.
         trace_replay_ref_model: reference model for ``trace_replay_reference='ref_model'`` when TRL has
             none (TRL only loads one when ``beta != 0``).
         **kwargs: passed to ``GRPOTrainer``.
@@ -152,7 +160,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         reward_funcs: Any = None,
         args: ComposerConfig | None = None,
         *pos_args: Any,
-        trace_replay_pairs: Iterable[Mapping[str, Any]] | None = None,
+        trace_replay_pairs: Iterable[Any] | None = None,
         trace_replay_ref_model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
@@ -603,7 +611,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         return None if step is None else self._sdpo_loss(model, inputs, step)
 
     # ------------------------------------------------------------------ trace-replay DPO
-    def _setup_trace_replay(self, pairs: Iterable[Mapping[str, Any]] | None) -> None:
+    def _setup_trace_replay(self, pairs: Iterable[Any] | None) -> None:
         cfg = self.composer_args
         source: Any = pairs if pairs is not None else cfg.trace_replay_path
         if source is None:
@@ -630,10 +638,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         )
         self.trace_replay_reference = self._resolve_reference()
         if self.trace_replay_reference == "precomputed":
-            self._pair_ref = (
-                torch.tensor([float(p.ref_chosen_logps) for p in self._pairs]),  # type: ignore[arg-type]
-                torch.tensor([float(p.ref_rejected_logps) for p in self._pairs]),  # type: ignore[arg-type]
-            )
+            chosen = [p.ref_chosen_logps for p in self._pairs]
+            rejected = [p.ref_rejected_logps for p in self._pairs]
+            self._pair_ref = (torch.tensor(chosen), torch.tensor(rejected))  # every one a float ("precomputed")
         elif self.trace_replay_reference == "initial":
             self._pair_ref = self._score_all_pairs(self.accelerator.unwrap_model(self.model))
         logger.info("trace-replay DPO: %d pairs, reference=%s", len(self._pairs), self.trace_replay_reference)
@@ -824,8 +831,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         logger.info("checkpoint %s has no crf channel state; this run keeps none, so none is restored", checkpoint)
 
 
-def _read_pairs(source: Any, *, strict: bool) -> list[dict[str, Any]]:
-    """Pair records from a crf-replaysim pair file (schema-checked) or an iterable of mappings."""
+def _read_pairs(source: Any, *, strict: bool) -> list[PairRecord]:
+    """Pair records from a crf-replaysim pair file (schema-checked there) or an iterable of mappings (or
+    crf-replaysim ``LoadedPair`` s)."""
     if isinstance(source, (str, os.PathLike)):
         from crf_core.trainer.pair_files import read_pair_file
 
