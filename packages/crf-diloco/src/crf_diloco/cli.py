@@ -24,7 +24,6 @@ arguments, 130/143 when interrupted by SIGINT/SIGTERM (the replicas are stopped 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shutil
@@ -37,6 +36,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from crf_diloco._version import __version__
+from crf_diloco.executors import registry
 from crf_diloco.executors.base import (
     ReplicaResult,
     ServerlessExecutor,
@@ -45,32 +45,22 @@ from crf_diloco.executors.base import (
     run_replicas,
     validate_timeout,
 )
+from crf_diloco.executors.registry import BuildContext, option_dests, positive_int
 from crf_diloco.executors.script import script_command
 from crf_diloco.executors.torch_env import TORCH_ENV_VARS, with_torch_env
 from crf_diloco.executors.wheels import index_has, index_url, with_wheels, workspace_wheel
 from crf_diloco.layout import validate_name
 
 _SUMMARY_TAIL_LINES = 5
-EXECUTORS = ("local", "ray", "hf", "modal")
-_CLOUD = ("hf", "modal")
-_EXECUTOR_OPTIONS: dict[str, tuple[str, ...]] = {
-    "ray_address": ("ray",),
-    "ray_num_cpus": ("ray",),
-    "ray_num_gpus": ("ray",),
-    "image": _CLOUD,
-    "pip": _CLOUD,
-    "no_pip": _CLOUD,
-    "crf_source": _CLOUD,
-    "secret": _CLOUD,
-    "cancel_on_failure": _CLOUD,
-    "hf_flavor": ("hf",),
-    "hf_namespace": ("hf",),
-    "modal_gpu": ("modal",),
-    "modal_cpu": ("modal",),
-    "modal_memory": ("modal",),
-    "modal_secret": ("modal",),
-    "modal_app": ("modal",),
-}
+EXECUTORS = tuple(entry.name for entry in registry.launchers())
+"""The ``--executor`` choices: every `crf_diloco.executors.registry.Launcher` (the parser reads the registry)."""
+
+
+def _remote() -> tuple[str, ...]:
+    """The executors whose replicas run elsewhere (`Launcher.remote`)."""
+    return tuple(entry.name for entry in registry.launchers() if entry.remote)
+
+
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _STORE_EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure", "hf": "hf"}
 
@@ -97,42 +87,12 @@ class _PrefixedPrinter:
             out.flush()
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
-
-
 def _seconds(text: str) -> float:
     try:
         value = validate_timeout(float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}") from None
     assert value is not None
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 
@@ -163,19 +123,41 @@ def build_parser() -> argparse.ArgumentParser:
         "the replica (RANK=0, WORLD_SIZE=1 unless a wrapped torchrun sets its own; the replica's rank is "
         "CRF_DILOCO_RANK).",
     )
-    launch.add_argument("--replicas", type=_positive_int, required=True, metavar="N", help="number of replicas")
+    launch.add_argument("--replicas", type=positive_int, required=True, metavar="N", help="number of replicas")
     launch.add_argument("--uri", required=True, help="object-store URI or local folder shared by the replicas")
-    launch.add_argument("--executor", choices=EXECUTORS, default="local", help="where replicas run")
+    choices = [entry.name for entry in registry.launchers()]
+    launch.add_argument("--executor", choices=choices, default="local", help="where replicas run")
     launch.add_argument("--run-id", type=_run_id, default=None, help="run id (default: a fresh one)")
     launch.add_argument("--timeout", type=_seconds, default=None, metavar="S", help="stop replicas after S seconds")
     launch.add_argument(
         "--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE", help="extra replica env var"
     )
-    ray = launch.add_argument_group("--executor ray")
-    ray.add_argument("--ray-address", default=None, help="Ray cluster address (default: a local one)")
-    ray.add_argument("--ray-num-cpus", type=_non_negative, default=None, metavar="C", help="CPUs per replica (1)")
-    ray.add_argument("--ray-num-gpus", type=_non_negative, default=None, metavar="G", help="GPUs per replica (0)")
-    cloud = launch.add_argument_group("--executor hf or modal (the script is shipped inside the command)")
+    remote = _remote()
+    for entry in registry.launchers():  # each executor's own options; the shared remote ones before the first remote
+        if entry.remote and entry.name == remote[0]:
+            title = f"--executor {' or '.join(remote)} (the script is shipped inside the command)"
+            _add_remote_options(launch.add_argument_group(title))
+        if option_dests(entry.add_options):
+            entry.add_options(launch.add_argument_group(entry.title))
+    what = launch.add_mutually_exclusive_group()
+    what.add_argument("-m", dest="module", action="store_true", help="run TARGET as a module: python -m TARGET")
+    what.add_argument(
+        "--no-python",
+        action="store_true",
+        help="run TARGET as a program, not through Python (torchrun, accelerate, a shell script)",
+    )
+    launch.add_argument(
+        "script",
+        metavar="TARGET",
+        help="the training script (run by this Python, or shipped to cloud replicas); a module with -m; "
+        "a program with --no-python",
+    )
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to TARGET")
+    return parser
+
+
+def _add_remote_options(cloud: argparse._ArgumentGroup) -> None:
+    """The options every remote executor takes (``Launcher.remote``)."""
     cloud.add_argument("--image", default=None, help="container image (hf: Docker image; modal: registry image)")
     cloud.add_argument(
         "--pip",
@@ -201,37 +183,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cancel the other replicas when one fails (default: yes)",
     )
-    hf = launch.add_argument_group("--executor hf (Hugging Face Jobs; HF_TOKEN or `hf auth login`)")
-    hf.add_argument("--hf-flavor", default=None, metavar="FLAVOR", help="hardware per replica (cpu-basic)")
-    hf.add_argument("--hf-namespace", default=None, metavar="NS", help="user or org that runs the jobs")
-    modal = launch.add_argument_group("--executor modal (Modal; `modal token new` once)")
-    modal.add_argument("--modal-gpu", default=None, metavar="GPU", help="GPU per replica, e.g. H100 or A100-80GB:2")
-    modal.add_argument("--modal-cpu", type=_positive_float, default=None, metavar="C", help="CPU cores per replica")
-    modal.add_argument("--modal-memory", type=_positive_int, default=None, metavar="MIB", help="memory per replica")
-    modal.add_argument(
-        "--modal-secret", action="append", default=[], metavar="NAME", help="a secret stored in Modal (repeatable)"
-    )
-    modal.add_argument("--modal-app", default=None, metavar="NAME", help="Modal app name (crf-diloco)")
-    what = launch.add_mutually_exclusive_group()
-    what.add_argument("-m", dest="module", action="store_true", help="run TARGET as a module: python -m TARGET")
-    what.add_argument(
-        "--no-python",
-        action="store_true",
-        help="run TARGET as a program, not through Python (torchrun, accelerate, a shell script)",
-    )
-    launch.add_argument(
-        "script",
-        metavar="TARGET",
-        help="the training script (run by this Python, or shipped to cloud replicas); a module with -m; "
-        "a program with --no-python",
-    )
-    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to TARGET")
-    return parser
+
+
+def _executor_options() -> dict[str, tuple[str, ...]]:
+    """Each executor-specific option's ``dest`` and the executors that take it."""
+    owners: dict[str, tuple[str, ...]] = dict.fromkeys(option_dests(_add_remote_options), _remote())
+    for entry in registry.launchers():
+        owners.update(dict.fromkeys(option_dests(entry.add_options), (entry.name,)))
+    return owners
 
 
 def _check_executor_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Refuse options that belong to another executor (``--ray-*`` with ``hf``, ``--modal-gpu`` with ``ray``...)."""
-    for dest, executors in _EXECUTOR_OPTIONS.items():
+    for dest, executors in _executor_options().items():
         if getattr(args, dest) not in (None, []) and args.executor not in executors:  # every default is None or []
             parser.error(f"--{dest.replace('_', '-')} needs --executor {' or '.join(executors)}")
     if args.no_pip and args.pip:
@@ -255,7 +219,8 @@ def _replica_command(
     replica's ``python`` runs it (Hugging Face Jobs install the requirements with ``uv run --with``, finding
     ``wheels``, packed into the command, on the find-links).
     """
-    cloud = args.executor in _CLOUD
+    entry = registry.launcher(args.executor)
+    cloud = entry.remote
     python = "python" if cloud else sys.executable
     if args.no_python:
         target = [args.script, *script_args]
@@ -267,7 +232,7 @@ def _replica_command(
         target = [python, args.script, *script_args]
     command = with_torch_env(target, python=python)
     requirements = _requirements(args, uri) if cloud else []
-    if args.executor == "hf" and requirements:  # Modal installs them into the image instead
+    if entry.requirements_in_command and requirements:  # otherwise the executor installs them (Modal: the image)
         command = ["uv", "run", "--no-project", *[a for r in requirements for a in ("--with", r)], "--", *command]
         if wheels:
             command = with_wheels(wheels, command)
@@ -276,7 +241,7 @@ def _replica_command(
 
 def _shipped_wheels(args: argparse.Namespace) -> list[Path]:
     """This checkout's crf-diloco wheel when cloud replicas cannot install this version from the index."""
-    if args.executor not in _CLOUD or args.no_pip or args.pip or args.crf_source == "index":
+    if not registry.launcher(args.executor).remote or args.no_pip or args.pip or args.crf_source == "index":
         return []
     if args.crf_source != "workspace":
         found = index_has("crf-diloco", __version__)
@@ -296,7 +261,7 @@ def _check_target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if not _MODULE.match(args.script):
             parser.error(f"-m {args.script!r} is not a module name (dotted Python identifiers, e.g. pkg.train)")
     elif args.no_python:
-        if args.executor == "local" and shutil.which(args.script) is None:
+        if registry.launcher(args.executor).same_machine and shutil.which(args.script) is None:
             parser.error(f"--no-python: program {args.script!r} is not found on PATH")
     elif not os.path.isfile(args.script):
         parser.error(f"script {args.script!r} is not a file (run a module with -m, a program with --no-python)")
@@ -314,43 +279,9 @@ def _requirements(args: argparse.Namespace, uri: str) -> list[str]:
 
 def _make_executor(args: argparse.Namespace, uri: str, wheels: Sequence[Path] = ()) -> ServerlessExecutor[Any]:
     """The executor ``--executor`` names, configured from its options (its SDK is imported here)."""
-    cancel = {} if args.cancel_on_failure is None else {"cancel_on_failure": args.cancel_on_failure}
-    if args.executor == "hf":
-        from crf_diloco.executors.hf_jobs import HFJobsExecutor
-
-        hf_options: dict[str, Any] = {"image": args.image} if args.image else {}
-        return HFJobsExecutor(
-            args.hf_flavor or "cpu-basic",
-            job_timeout_s=args.timeout,
-            namespace=args.hf_namespace,
-            secret_env=args.secret,
-            **hf_options,
-            **cancel,
-        )
-    if args.executor == "modal":
-        from crf_diloco.executors.modal import MAX_TIMEOUT_S, ModalExecutor
-
-        modal_options = {k: v for k, v in (("cpu", args.modal_cpu), ("memory", args.modal_memory)) if v is not None}
-        return ModalExecutor(
-            args.modal_app or "crf-diloco",
-            gpu=args.modal_gpu,
-            image=args.image,
-            pip=_requirements(args, uri),
-            wheels=[str(w) for w in wheels],
-            timeout_s=min(args.timeout, MAX_TIMEOUT_S) if args.timeout else MAX_TIMEOUT_S,
-            secret_env=args.secret,
-            modal_secrets=args.modal_secret,
-            **modal_options,
-            **cancel,
-        )
-    if args.executor == "ray":
-        from crf_diloco.executors.ray import RayExecutor
-
-        resources = {"num_cpus": args.ray_num_cpus, "num_gpus": args.ray_num_gpus}
-        return RayExecutor(address=args.ray_address, **{k: v for k, v in resources.items() if v is not None})
-    from crf_diloco.executors.local import LocalProcessExecutor
-
-    return LocalProcessExecutor()
+    entry = registry.launcher(args.executor)
+    requirements = _requirements(args, uri) if entry.remote else []
+    return entry.build(args, BuildContext(uri, requirements, list(wheels)))
 
 
 def _print_summary(results: Sequence[ReplicaResult], run_id: str, out: TextIO) -> None:
@@ -386,7 +317,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         executor = _make_executor(args, uri, wheels)
     except (ImportError, ValueError, TypeError, RuntimeError) as exc:  # a missing SDK, a refused option, no wheel
         parser.error(str(exc))
-    if args.executor in ("hf", "modal") and "://" not in args.uri:
+    if registry.launcher(args.executor).remote and "://" not in args.uri:
         sys.stderr.write(
             f"crf-diloco launch: warning: --uri {args.uri} is a path on each replica's own machine; the replicas share it "
             "only if the same folder is mounted on every one of them (use s3://, gs://, az:// or hf://)\n"

@@ -20,10 +20,18 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from crf_diloco.executors.base import ReplicaResult, validate_launch, validate_tail_lines, validate_timeout
-from crf_diloco.replica_env import REPLICA_ENV_VARS, SECRET_ENV_VARS, replica_environment
+from crf_diloco.executors.base import (
+    ExecutorBase,
+    LaunchPlan,
+    ReplicaResult,
+    plan_launch,
+    validate_launch,
+    validate_tail_lines,
+    validate_timeout,
+)
+from crf_diloco.replica_env import REPLICA_ENV_VARS, SECRET_ENV_VARS
 
 logger = logging.getLogger(__name__)
 
@@ -324,18 +332,20 @@ class RemoteHandle(Protocol):
 
 
 @dataclass(frozen=True)
-class PreparedLaunch:
-    """The checked arguments of one ``launch_replicas``: argv, run id, the secrets and each rank's plain env."""
+class PreparedLaunch(LaunchPlan):
+    """A cloud launch's `LaunchPlan`: ``envs`` hold each rank's plain variables only, ``secrets`` the rest."""
 
-    argv: list[str]
-    run_id: str
-    secrets: ReplicaSecrets
-    envs: list[dict[str, str]]
+    secrets: ReplicaSecrets = field(default_factory=ReplicaSecrets)
 
 
-class RemoteExecutor:
+LR = TypeVar("LR")
+HR = TypeVar("HR", bound=RemoteHandle)
+
+
+class RemoteExecutor(ExecutorBase[PreparedLaunch, LR, HR]):
     """What `HFJobsExecutor` and `ModalExecutor` share: secret settings, the wait policy, launch preparation,
-    ``collect`` and ``terminate``. Subclasses submit the replicas and wrap each in a `RemoteReplica`."""
+    ``collect`` and ``terminate``. Subclasses submit the replicas (`begin_launch`, `start_replica`) and wrap each
+    in a `RemoteReplica`."""
 
     def __init__(
         self,
@@ -370,16 +380,13 @@ class RemoteExecutor:
         run_id: str | None,
         env: Mapping[str, str] | None,
     ) -> PreparedLaunch:
-        """Validate everything ``launch_replicas`` gets before anything is submitted."""
+        """Validate everything ``launch_replicas`` gets before anything is submitted; secrets leave the plain env."""
         argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
         plain, secrets = split_replica_env(env, secrets=self._secret_values, secret_env=self.secret_env)
-        envs = [
-            {"PYTHONUNBUFFERED": "1", **replica_environment(rank, world_size, uri, run_id, plain)}
-            for rank in range(world_size)
-        ]
-        return PreparedLaunch(argv, run_id, secrets, envs)
+        plan = plan_launch(argv, world_size, uri, run_id, plain)
+        return PreparedLaunch(plan.argv, plan.uri, plan.run_id, plan.envs, secrets)
 
-    def collect(self, handles: Sequence[RemoteHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
+    def collect(self, handles: Sequence[HR], *, timeout: float | None = None) -> list[ReplicaResult]:
         """Wait for every replica (cancelling the rest on failure and the late ones at ``timeout``); by rank."""
         replicas = [h._replica for h in handles]
         try:
@@ -389,7 +396,7 @@ class RemoteExecutor:
             for replica in replicas:
                 replica.close()
 
-    def terminate(self, handles: Sequence[RemoteHandle]) -> None:
+    def terminate(self, handles: Sequence[HR]) -> None:
         """Cancel every replica not known to have ended, then release them. Idempotent; errors are logged."""
         for handle in handles:
             replica = handle._replica

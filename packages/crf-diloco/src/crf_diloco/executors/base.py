@@ -8,6 +8,12 @@ relays their output, enforces a deadline and reports how each one ended.
 Lifecycle: ``handles = executor.launch_replicas(cmd, world_size=N, uri=URI)`` starts them;
 ``executor.collect(handles, timeout=T)`` waits (terminating whatever is still running at the deadline) and returns
 one `ReplicaResult` per rank; ``executor.terminate(handles)`` stops them early. `run_replicas` does all three.
+
+`ExecutorBase` owns ``launch_replicas`` for every executor: it validates the launch (`prepare_launch`, by default
+`plan_launch`), sets up what the replicas of one launch share (`begin_launch`), starts each rank (`start_replica`)
+and, when any of that fails, stops the replicas already started and releases the launch (`abort_launch`) before
+the error (`launch_error` may word it) propagates. An executor implements those hooks plus ``collect`` and
+``terminate``; `crf_diloco.executors.registry` makes it a ``crf-diloco launch --executor`` choice.
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ import re
 import secrets
 import signal
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from crf_diloco.auth import launch_secret
 from crf_diloco.layout import validate_name
-from crf_diloco.replica_env import ENV_SECRET
+from crf_diloco.replica_env import ENV_SECRET, replica_environment
 
 OutputCallback = Callable[[int, str, str], None]
 """``on_output(rank, stream, line)``: called once per output line of a replica; ``stream`` is ``"stdout"`` or
@@ -225,3 +232,101 @@ def describe_returncode(returncode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One ``launch_replicas`` checked before anything starts: the argv list, the store URI (absolute if a path),
+    the run id and each rank's environment (``PYTHONUNBUFFERED=1``, the caller's ``env`` and the replica
+    variables; an executor adds what its replicas inherit)."""
+
+    argv: list[str]
+    uri: str
+    run_id: str
+    envs: list[dict[str, str]]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.envs)
+
+
+def plan_launch(
+    command: Sequence[str], world_size: int, uri: str, run_id: str | None, env: Mapping[str, str] | None
+) -> LaunchPlan:
+    """The `LaunchPlan` of a launch (`validate_launch`, then each rank's environment)."""
+    argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
+    envs = [
+        {"PYTHONUNBUFFERED": "1", **replica_environment(rank, world_size, uri, run_id, env)}
+        for rank in range(world_size)
+    ]
+    return LaunchPlan(argv, uri, run_id, envs)
+
+
+P = TypeVar("P", bound=LaunchPlan)
+L = TypeVar("L")
+
+
+class ExecutorBase(ABC, Generic[P, L, H]):
+    """The launch template every executor shares (see the module docstring).
+
+    Type parameters: ``P`` the executor's `LaunchPlan`, ``L`` what one launch's replicas share (an output relay,
+    a running app, a placement group), ``H`` its replica handle.
+    """
+
+    def launch_replicas(
+        self,
+        command: Sequence[str],
+        *,
+        world_size: int,
+        uri: str,
+        run_id: str | None = None,
+        env: Mapping[str, str] | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> list[H]:
+        """Start ``world_size`` replicas of ``command``; return their handles, ordered by rank. If one cannot be
+        started, the ones already started are stopped (``terminate``) and the launch released before the error
+        propagates."""
+        plan = self.prepare_launch(command, world_size, uri, run_id, env)
+        launch = self.begin_launch(plan, on_output)
+        handles: list[H] = []
+        try:
+            for rank in range(plan.world_size):
+                handles.append(self.start_replica(launch, plan, rank))
+        except BaseException as exc:
+            self.terminate(handles)
+            self.abort_launch(launch)
+            error = self.launch_error(exc, launch, len(handles)) if isinstance(exc, Exception) else None
+            if error is None:
+                raise
+            raise error from None
+        return handles
+
+    @abstractmethod
+    def prepare_launch(
+        self, command: Sequence[str], world_size: int, uri: str, run_id: str | None, env: Mapping[str, str] | None
+    ) -> P:
+        """Validate everything the launch gets before anything starts (usually `plan_launch`)."""
+
+    @abstractmethod
+    def begin_launch(self, plan: P, on_output: OutputCallback | None) -> L:
+        """Set up what the replicas of this launch share; the last step before the first replica starts."""
+
+    @abstractmethod
+    def start_replica(self, launch: L, plan: P, rank: int) -> H:
+        """Start rank ``rank``'s replica and return its handle."""
+
+    def abort_launch(self, launch: L) -> None:
+        """Release what `begin_launch` set up, after a failed start (the started replicas are already stopped)."""
+
+    def launch_error(self, exc: Exception, launch: L, started: int) -> Exception | None:
+        """The error to raise when starting rank ``started`` failed with ``exc`` (None: ``exc`` itself)."""
+        del exc, launch, started
+        return None
+
+    @abstractmethod
+    def collect(self, handles: Sequence[H], *, timeout: float | None = None) -> list[ReplicaResult]:
+        """Wait for every replica (terminating those still running after ``timeout`` s); results ordered by rank."""
+
+    @abstractmethod
+    def terminate(self, handles: Sequence[H]) -> None:
+        """Stop every replica that is still running (politely first, then by force). Idempotent."""

@@ -23,6 +23,7 @@ tags), so a run id with a ``.`` cannot name HF jobs.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import logging
@@ -35,8 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf_diloco.executors._process import _Tail
-from crf_diloco.executors._remote import RemoteExecutor, ReplicaSecrets, ceil_seconds, validate_positive
+from crf_diloco.executors._remote import (
+    PreparedLaunch,
+    RemoteExecutor,
+    ReplicaSecrets,
+    ceil_seconds,
+    validate_positive,
+)
 from crf_diloco.executors.base import OutputCallback, ReplicaResult, validate_timeout
+from crf_diloco.executors.registry import BuildContext, Launcher, cancel_option
 from crf_diloco.layout import validate_name
 
 logger = logging.getLogger(__name__)
@@ -154,6 +162,7 @@ class _HFLaunch:
     log_drain_s: float
     board: _JobBoard
     retry_budget_s: float
+    labels: list[dict[str, str]] = field(default_factory=list)  # each rank's job labels, checked before any starts
 
 
 class _JobBoard:
@@ -330,7 +339,7 @@ class HFJobHandle:
     _replica: _HFJob = field(repr=False, compare=False)
 
 
-class HFJobsExecutor(RemoteExecutor):
+class HFJobsExecutor(RemoteExecutor[_HFLaunch, HFJobHandle]):
     """Runs each replica as one Hugging Face Job (see the module docstring for the lifecycle).
 
     Args:
@@ -439,53 +448,38 @@ class HFJobsExecutor(RemoteExecutor):
                 ) from None
         return self.namespace
 
-    def launch_replicas(
-        self,
-        command: Sequence[str],
-        *,
-        world_size: int,
-        uri: str,
-        run_id: str | None = None,
-        env: Mapping[str, str] | None = None,
-        on_output: OutputCallback | None = None,
-    ) -> list[HFJobHandle]:
-        """Submit ``world_size`` jobs running ``command``; if one cannot be submitted, cancel the others and raise."""
-        prepared = self.prepare_launch(command, world_size, uri, run_id, env)
-        argv, run_id, secrets = prepared.argv, prepared.run_id, prepared.secrets
-        masked = ReplicaSecrets({**secrets.values, **self._token_mask})  # the job secrets and the Hub token
-        labels = [self._labels(run_id, rank) for rank in range(world_size)]  # all checked before any job starts
+    def begin_launch(self, plan: PreparedLaunch, on_output: OutputCallback | None) -> _HFLaunch:
+        """Check every rank's labels, find the namespace, set up the shared job board."""
+        masked = ReplicaSecrets({**plan.secrets.values, **self._token_mask})  # the job secrets and the Hub token
+        labels = [self._labels(plan.run_id, rank) for rank in range(plan.world_size)]  # all before any job starts
         namespace = self._resolve_namespace(masked)
-        launch = _HFLaunch(
+        return _HFLaunch(
             api=self._api,
             namespace=namespace,
             secrets=masked,
             on_output=on_output,
             tail_lines=self.tail_lines,
             log_drain_s=self.log_drain_s,
-            board=_JobBoard(self._api, namespace, run_id, self.policy.poll_interval_s / 2),
+            board=_JobBoard(self._api, namespace, plan.run_id, self.policy.poll_interval_s / 2),
             retry_budget_s=self.policy.lost_contact_s,
+            labels=labels,
         )
-        handles: list[HFJobHandle] = []
-        try:
-            for rank in range(world_size):
-                info = _rate_limited(
-                    functools.partial(self._submit, argv, prepared.envs[rank], secrets, labels[rank], namespace),
-                    f"submitting the job of rank {rank}",
-                    budget_s=self.policy.lost_contact_s,
-                )
-                job_id = _checked_job_id(info.id)
-                handles.append(HFJobHandle(rank, run_id, job_id, str(info.url), _HFJob(launch, rank, job_id)))
-                logger.info("rank %d: job %s", rank, info.url)
-        except Exception as exc:
-            self.terminate(handles)
-            raise RuntimeError(
-                f"submitting the job of rank {len(handles)} failed ({masked.redact(_describe(exc))}); "
-                f"the {len(handles)} job(s) already submitted were cancelled"
-            ) from None
-        except BaseException:
-            self.terminate(handles)
-            raise
-        return handles
+
+    def start_replica(self, launch: _HFLaunch, plan: PreparedLaunch, rank: int) -> HFJobHandle:
+        """Submit rank ``rank``'s job (429s waited out within the retry budget)."""
+        submit = functools.partial(
+            self._submit, plan.argv, plan.envs[rank], plan.secrets, launch.labels[rank], launch.namespace
+        )
+        info = _rate_limited(submit, f"submitting the job of rank {rank}", budget_s=self.policy.lost_contact_s)
+        job_id = _checked_job_id(info.id)
+        logger.info("rank %d: job %s", rank, info.url)
+        return HFJobHandle(rank, plan.run_id, job_id, str(info.url), _HFJob(launch, rank, job_id))
+
+    def launch_error(self, exc: Exception, launch: _HFLaunch, started: int) -> Exception:
+        return RuntimeError(
+            f"submitting the job of rank {started} failed ({launch.secrets.redact(_describe(exc))}); "
+            f"the {started} job(s) already submitted were cancelled"
+        )
 
     def _labels(self, run_id: str, rank: int) -> dict[str, str]:
         """The labels of rank ``rank``'s job (its name among them), checked against the Hub's rule."""
@@ -517,3 +511,32 @@ class HFJobsExecutor(RemoteExecutor):
                 **common,
             )
         return self._api.run_job(image=self.image, command=argv, **common)
+
+
+def _add_cli_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--hf-flavor", default=None, metavar="FLAVOR", help="hardware per replica (cpu-basic)")
+    group.add_argument("--hf-namespace", default=None, metavar="NS", help="user or org that runs the jobs")
+
+
+def _from_cli(args: argparse.Namespace, context: BuildContext) -> HFJobsExecutor:
+    del context  # the requirements and wheels travel inside the command
+    image: dict[str, Any] = {"image": args.image} if args.image else {}
+    return HFJobsExecutor(
+        args.hf_flavor or "cpu-basic",
+        job_timeout_s=args.timeout,
+        namespace=args.hf_namespace,
+        secret_env=args.secret,
+        **image,
+        **cancel_option(args),
+    )
+
+
+LAUNCHER = Launcher(
+    "hf",
+    "--executor hf (Hugging Face Jobs; HF_TOKEN or `hf auth login`)",
+    _from_cli,
+    add_options=_add_cli_options,
+    remote=True,
+    requirements_in_command=True,
+    order=20,
+)

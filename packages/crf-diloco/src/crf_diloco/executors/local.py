@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -9,13 +10,15 @@ from dataclasses import dataclass
 
 from crf_diloco.executors._process import ReplicaProcess, terminate_all
 from crf_diloco.executors.base import (
+    ExecutorBase,
+    LaunchPlan,
     OutputCallback,
     ReplicaResult,
-    validate_launch,
+    plan_launch,
     validate_tail_lines,
     validate_timeout,
 )
-from crf_diloco.replica_env import replica_environment
+from crf_diloco.executors.registry import BuildContext, Launcher
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,15 @@ class LocalReplicaHandle:
         return self.process.popen.pid
 
 
-class LocalProcessExecutor:
+@dataclass(frozen=True)
+class _LocalLaunch:
+    """What the replicas of one local launch share: this process's environment and the output callback."""
+
+    base_env: dict[str, str]
+    on_output: OutputCallback | None
+
+
+class LocalProcessExecutor(ExecutorBase[LaunchPlan, _LocalLaunch, LocalReplicaHandle]):
     """Runs each replica as a child process of this one, with ``CRF_DILOCO_*`` set in its environment.
 
     Children inherit this process's environment (plus ``env``, the replica variables and ``PYTHONUNBUFFERED=1``
@@ -54,31 +65,25 @@ class LocalProcessExecutor:
         self.terminate_grace_s = float(terminate_grace_s)
         self.tail_lines = tail_lines
 
-    def launch_replicas(
-        self,
-        command: Sequence[str],
-        *,
-        world_size: int,
-        uri: str,
-        run_id: str | None = None,
-        env: Mapping[str, str] | None = None,
-        on_output: OutputCallback | None = None,
-    ) -> list[LocalReplicaHandle]:
-        """Start ``world_size`` processes running ``command``; if one cannot start, stop the others and raise."""
-        argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
-        base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        handles: list[LocalReplicaHandle] = []
-        try:
-            for rank in range(world_size):
-                child_env = {**base_env, **replica_environment(rank, world_size, uri, run_id, env)}
-                process = ReplicaProcess(
-                    rank, argv, child_env, cwd=self.cwd, on_output=on_output, tail_lines=self.tail_lines
-                )
-                handles.append(LocalReplicaHandle(rank=rank, run_id=run_id, process=process))
-        except BaseException:
-            self.terminate(handles)
-            raise
-        return handles
+    def prepare_launch(
+        self, command: Sequence[str], world_size: int, uri: str, run_id: str | None, env: Mapping[str, str] | None
+    ) -> LaunchPlan:
+        return plan_launch(command, world_size, uri, run_id, env)
+
+    def begin_launch(self, plan: LaunchPlan, on_output: OutputCallback | None) -> _LocalLaunch:
+        return _LocalLaunch(dict(os.environ), on_output)
+
+    def start_replica(self, launch: _LocalLaunch, plan: LaunchPlan, rank: int) -> LocalReplicaHandle:
+        """Start rank ``rank`` as a child process (this process's environment plus the plan's)."""
+        process = ReplicaProcess(
+            rank,
+            plan.argv,
+            {**launch.base_env, **plan.envs[rank]},
+            cwd=self.cwd,
+            on_output=launch.on_output,
+            tail_lines=self.tail_lines,
+        )
+        return LocalReplicaHandle(rank=rank, run_id=plan.run_id, process=process)
 
     def collect(self, handles: Sequence[LocalReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
         """Wait until every replica exits or ``timeout`` s pass; terminate the late ones; results by rank."""
@@ -95,3 +100,13 @@ class LocalProcessExecutor:
     def terminate(self, handles: Sequence[LocalReplicaHandle]) -> None:
         """SIGTERM every running replica's process group, then SIGKILL those alive after the grace period."""
         terminate_all([h.process for h in handles], self.terminate_grace_s)
+
+
+def _from_cli(args: argparse.Namespace, context: BuildContext) -> LocalProcessExecutor:
+    del args, context
+    return LocalProcessExecutor()
+
+
+LAUNCHER = Launcher(
+    "local", "--executor local (child processes of the launcher)", _from_cli, same_machine=True, order=0
+)

@@ -22,6 +22,7 @@ the executor is constructed: ``pip install 'crf-diloco[modal]'``, then ``modal t
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -35,8 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf_diloco.executors._modal_worker import run_replica
-from crf_diloco.executors._remote import RemoteExecutor, ReplicaSecrets, ceil_seconds, validate_positive
+from crf_diloco.executors._remote import (
+    PreparedLaunch,
+    RemoteExecutor,
+    ReplicaSecrets,
+    ceil_seconds,
+    validate_positive,
+)
 from crf_diloco.executors.base import OutputCallback, ReplicaResult
+from crf_diloco.executors.registry import BuildContext, Launcher, cancel_option, number, positive_int
 from crf_diloco.layout import validate_name
 
 logger = logging.getLogger(__name__)
@@ -163,6 +171,9 @@ class _ModalLaunch:
     drain: _LogDrain | None
     secrets: ReplicaSecrets
     timeout_s: int
+    function: Any = None  # the app's replica function (spawned once per rank)
+    log_queue: Any = None
+    attempts: Any = None
     closed: bool = False
 
     def close(self) -> None:
@@ -287,7 +298,7 @@ class ModalReplicaHandle:
     _replica: _ModalCall = field(repr=False, compare=False)
 
 
-class ModalExecutor(RemoteExecutor):
+class ModalExecutor(RemoteExecutor[_ModalLaunch, ModalReplicaHandle]):
     """Runs each replica as one call of a Modal function (see the module docstring for the lifecycle).
 
     Args:
@@ -425,19 +436,9 @@ class ModalExecutor(RemoteExecutor):
                 options[key] = getattr(self, key)
         return ModalReplicaApp(app, app.function(**options)(run_replica), options)
 
-    def launch_replicas(
-        self,
-        command: Sequence[str],
-        *,
-        world_size: int,
-        uri: str,
-        run_id: str | None = None,
-        env: Mapping[str, str] | None = None,
-        on_output: OutputCallback | None = None,
-    ) -> list[ModalReplicaHandle]:
-        """Run the app and spawn ``world_size`` calls running ``command``; on any error stop them all and raise."""
-        prepared = self.prepare_launch(command, world_size, uri, run_id, env)
-        argv, run_id, secrets = prepared.argv, prepared.run_id, prepared.secrets
+    def begin_launch(self, plan: PreparedLaunch, on_output: OutputCallback | None) -> _ModalLaunch:
+        """Build the app and run it (its output drained to ``on_output``)."""
+        secrets = plan.secrets
         definition = self.build_app(secrets)
         try:
             stack, log_queue, attempts = self._session.open(
@@ -448,26 +449,74 @@ class ModalExecutor(RemoteExecutor):
                 f"cannot start the Modal app {self.app_name!r} ({type(exc).__name__}: {secrets.redact(str(exc))}); "
                 "is Modal set up (`modal token new`)?"
             ) from None
-        drain = _LogDrain(log_queue, on_output, world_size, secrets) if on_output is not None else None
-        launch = _ModalLaunch(modal=self._modal, stack=stack, drain=drain, secrets=secrets, timeout_s=self.timeout_s)
-        handles: list[ModalReplicaHandle] = []
-        try:
-            for rank in range(world_size):
-                call = self._session.spawn(
-                    definition.function, rank, argv, prepared.envs[rank], secrets.names, log_queue, self.tail_lines,
-                    self.terminate_grace_s, attempts,
-                )  # fmt: skip
-                call_id = str(getattr(call, "object_id", "") or f"rank-{rank}")
-                handles.append(ModalReplicaHandle(rank, run_id, call_id, _ModalCall(launch, rank, call)))
-        except Exception as exc:
-            self.terminate(handles)
-            launch.close()
-            raise RuntimeError(
-                f"spawning the Modal call of rank {len(handles)} failed ({type(exc).__name__}: "
-                f"{secrets.redact(str(exc))}); the app was stopped"
-            ) from None
-        except BaseException:
-            self.terminate(handles)
-            launch.close()
-            raise
-        return handles
+        drain = _LogDrain(log_queue, on_output, plan.world_size, secrets) if on_output is not None else None
+        return _ModalLaunch(
+            modal=self._modal,
+            stack=stack,
+            drain=drain,
+            secrets=secrets,
+            timeout_s=self.timeout_s,
+            function=definition.function,
+            log_queue=log_queue,
+            attempts=attempts,
+        )
+
+    def start_replica(self, launch: _ModalLaunch, plan: PreparedLaunch, rank: int) -> ModalReplicaHandle:
+        """Spawn rank ``rank``'s call in the running app."""
+        call = self._session.spawn(
+            launch.function, rank, plan.argv, plan.envs[rank], plan.secrets.names, launch.log_queue, self.tail_lines,
+            self.terminate_grace_s, launch.attempts,
+        )  # fmt: skip
+        call_id = str(getattr(call, "object_id", "") or f"rank-{rank}")
+        return ModalReplicaHandle(rank, plan.run_id, call_id, _ModalCall(launch, rank, call))
+
+    def abort_launch(self, launch: _ModalLaunch) -> None:
+        launch.close()
+
+    def launch_error(self, exc: Exception, launch: _ModalLaunch, started: int) -> Exception:
+        return RuntimeError(
+            f"spawning the Modal call of rank {started} failed ({type(exc).__name__}: "
+            f"{launch.secrets.redact(str(exc))}); the app was stopped"
+        )
+
+
+def _add_cli_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--modal-gpu", default=None, metavar="GPU", help="GPU per replica, e.g. H100 or A100-80GB:2")
+    group.add_argument(
+        "--modal-cpu",
+        type=number(minimum=0.0, inclusive=False),
+        default=None,
+        metavar="C",
+        help="CPU cores per replica",
+    )
+    group.add_argument("--modal-memory", type=positive_int, default=None, metavar="MIB", help="memory per replica")
+    group.add_argument(
+        "--modal-secret", action="append", default=[], metavar="NAME", help="a secret stored in Modal (repeatable)"
+    )
+    group.add_argument("--modal-app", default=None, metavar="NAME", help="Modal app name (crf-diloco)")
+
+
+def _from_cli(args: argparse.Namespace, context: BuildContext) -> ModalExecutor:
+    resources = {k: v for k, v in (("cpu", args.modal_cpu), ("memory", args.modal_memory)) if v is not None}
+    return ModalExecutor(
+        args.modal_app or "crf-diloco",
+        gpu=args.modal_gpu,
+        image=args.image,
+        pip=context.requirements,  # installed into the image, not at start-up
+        wheels=[str(w) for w in context.wheels],
+        timeout_s=min(args.timeout, MAX_TIMEOUT_S) if args.timeout else MAX_TIMEOUT_S,
+        secret_env=args.secret,
+        modal_secrets=args.modal_secret,
+        **resources,
+        **cancel_option(args),
+    )
+
+
+LAUNCHER = Launcher(
+    "modal",
+    "--executor modal (Modal; `modal token new` once)",
+    _from_cli,
+    add_options=_add_cli_options,
+    remote=True,
+    order=30,
+)

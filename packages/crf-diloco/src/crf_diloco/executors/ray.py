@@ -7,6 +7,7 @@ than exceptions. Ray is imported lazily: install it with ``pip install 'crf-dilo
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -18,14 +19,16 @@ from typing import Any, Literal, get_args
 
 from crf_diloco.executors._process import ReplicaProcess, terminate_all
 from crf_diloco.executors.base import (
+    ExecutorBase,
+    LaunchPlan,
     OutputCallback,
     ReplicaResult,
     describe_returncode,
-    validate_launch,
+    plan_launch,
     validate_tail_lines,
     validate_timeout,
 )
-from crf_diloco.replica_env import replica_environment
+from crf_diloco.executors.registry import BuildContext, Launcher, number
 
 _RAY_INSTALL_HINT = "RayExecutor needs Ray, which is not installed: pip install 'crf-diloco[ray]'"
 _CANCEL_POLL_S = 0.2
@@ -139,10 +142,13 @@ class _OutputRelay:
 
 @dataclass
 class _RayLaunch:
-    """What one `launch_replicas` call holds until its replicas are collected: output relay, placement group."""
+    """What one `launch_replicas` call holds until its replicas are collected: output relay, placement group, and
+    the task options and working directory its replicas are submitted with."""
 
     relay: _OutputRelay | None
     placement_group: Any
+    options: dict[str, Any] = field(default_factory=dict)
+    cwd: str | None = None
     closed: bool = False
 
     def close(self) -> None:
@@ -157,7 +163,7 @@ class _RayLaunch:
             remove_placement_group(self.placement_group)
 
 
-class RayExecutor:
+class RayExecutor(ExecutorBase[LaunchPlan, _RayLaunch, RayReplicaHandle]):
     """Runs each replica as a Ray task that starts ``command`` as a child process of its worker.
 
     The task gets ``num_cpus`` (and ``num_gpus``) per replica and ``max_retries=0``: a replica that dies is a
@@ -239,52 +245,46 @@ class RayExecutor:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def launch_replicas(
-        self,
-        command: Sequence[str],
-        *,
-        world_size: int,
-        uri: str,
-        run_id: str | None = None,
-        env: Mapping[str, str] | None = None,
-        on_output: OutputCallback | None = None,
-    ) -> list[RayReplicaHandle]:
-        """Submit ``world_size`` replica tasks running ``command``; return their handles, ordered by rank."""
-        argv, uri, run_id = validate_launch(command, world_size, uri, run_id)
-        envs = [
-            {"PYTHONUNBUFFERED": "1", **replica_environment(r, world_size, uri, run_id, env)} for r in range(world_size)
-        ]
+    def prepare_launch(
+        self, command: Sequence[str], world_size: int, uri: str, run_id: str | None, env: Mapping[str, str] | None
+    ) -> LaunchPlan:
+        return plan_launch(command, world_size, uri, run_id, env)
+
+    def begin_launch(self, plan: LaunchPlan, on_output: OutputCallback | None) -> _RayLaunch:
+        """Start Ray if needed, reserve the placement group, open the output relay."""
         self._ensure_ray()
         cwd = self.cwd
         if cwd is None and not (self.runtime_env and "working_dir" in self.runtime_env):
             cwd = os.getcwd()
         bundle = {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
-        placement_group = self._reserve(bundle, world_size) if bundle else None
+        placement_group = self._reserve(bundle, plan.world_size) if bundle else None
         relay = None
         if on_output is not None:
             from ray.util.queue import Queue
 
             relay = _OutputRelay(Queue(actor_options={"num_cpus": 0}), on_output)
-        launch = _RayLaunch(relay=relay, placement_group=placement_group)
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "max_retries": 0}
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
-        queue = relay._queue if relay is not None else None
-        handles = []
-        for rank in range(world_size):
-            if placement_group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return _RayLaunch(relay=relay, placement_group=placement_group, options=options, cwd=cwd)
 
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=rank
-                )
-            ref = self._remote_fn.options(name=f"crf-diloco-{run_id}-rank{rank}", **options).remote(
-                rank, argv, envs[rank], cwd, queue, self.terminate_grace_s, self.tail_lines
+    def start_replica(self, launch: _RayLaunch, plan: LaunchPlan, rank: int) -> RayReplicaHandle:
+        """Submit rank ``rank``'s task (in its bundle of the placement group)."""
+        options = dict(launch.options)
+        if launch.placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=launch.placement_group, placement_group_bundle_index=rank
             )
-            handles.append(
-                RayReplicaHandle(rank=rank, run_id=run_id, ref=ref, started_at=time.monotonic(), _launch=launch)
-            )
-        return handles
+        queue = launch.relay._queue if launch.relay is not None else None
+        ref = self._remote_fn.options(name=f"crf-diloco-{plan.run_id}-rank{rank}", **options).remote(
+            rank, plan.argv, plan.envs[rank], launch.cwd, queue, self.terminate_grace_s, self.tail_lines
+        )
+        return RayReplicaHandle(rank=rank, run_id=plan.run_id, ref=ref, started_at=time.monotonic(), _launch=launch)
+
+    def abort_launch(self, launch: _RayLaunch) -> None:
+        launch.close()
 
     def _reserve(self, bundle: dict[str, float], world_size: int) -> Any:
         """A ready placement group of ``world_size`` bundles, or RuntimeError naming what the cluster lacks."""
@@ -371,3 +371,19 @@ class RayExecutor:
             timed_out=timed_out_after is not None,
             error=error,
         )
+
+
+def _add_cli_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ray-address", default=None, help="Ray cluster address (default: a local one)")
+    at_least_0 = number(minimum=0.0, inclusive=True)
+    group.add_argument("--ray-num-cpus", type=at_least_0, default=None, metavar="C", help="CPUs per replica (1)")
+    group.add_argument("--ray-num-gpus", type=at_least_0, default=None, metavar="G", help="GPUs per replica (0)")
+
+
+def _from_cli(args: argparse.Namespace, context: BuildContext) -> RayExecutor:
+    del context
+    resources = {"num_cpus": args.ray_num_cpus, "num_gpus": args.ray_num_gpus}
+    return RayExecutor(address=args.ray_address, **{k: v for k, v in resources.items() if v is not None})
+
+
+LAUNCHER = Launcher("ray", "--executor ray", _from_cli, add_options=_add_cli_options, order=10)
