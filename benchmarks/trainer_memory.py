@@ -50,7 +50,7 @@ def _child(args: argparse.Namespace) -> None:
     import torch
     from transformers import PrinterCallback
 
-    from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+    from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()

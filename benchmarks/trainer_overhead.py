@@ -28,7 +28,7 @@ from typing import Any
 from trainer_peers import PEER, build, dataset
 from transformers import PrinterCallback, TrainerCallback
 
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
 TARGET = {"crf-all": 0.8, "crf-sdpo": 1.0}
 

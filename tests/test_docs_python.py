@@ -72,7 +72,7 @@ def python_blocks(documents: list[Path] = DOCUMENTS) -> list[Block]:
 
 _TINY_LM = """\
 import torch
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 torch.manual_seed(0)
 model = build_tiny_causal_lm(build_char_tokenizer(), hidden_size=16, num_layers=1, num_heads=2)
 vocab = model.config.vocab_size

@@ -11,9 +11,9 @@ pytest.importorskip("transformers", reason="the tokenizer needs the [train] extr
 pytest.importorskip("crf_replaysim", reason="pair files are read by crf-replaysim ([train] extra)")
 
 import crf_replaysim as replaysim
+from crf_core._testing.tiny_model import build_char_tokenizer
 from crf_core.trainer.pair_files import read_pair_file
 from crf_core.trainer.pairs import PairRecord, check_pair_records, tokenize_pairs
-from crf_core.trainer.tiny_model import build_char_tokenizer
 
 
 @pytest.mark.parametrize("fmt", ["records", "trl-standard", "trl-conversational"])

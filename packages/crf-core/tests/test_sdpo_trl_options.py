@@ -20,8 +20,6 @@ import pytest
 
 from crf_core.trainer.trl_sdpo import TRL_SDPO_OPTIONS, is_unset, trl_sdpo_markdown
 
-ROOT = Path(__file__).resolve().parents[3]
-
 trl = pytest.importorskip("trl", reason="ComposerConfig needs the [train] extra (trl)")
 _TRL = importlib.metadata.version("trl")
 needs_trl_116 = pytest.mark.skipif(
@@ -224,8 +222,8 @@ def test_hf_argument_parser_takes_trl_names(tmp_path: Any) -> None:
     )
 
 
-def test_docs_embed_the_mapping_table() -> None:
-    page = (ROOT / "docs/packages/crf-core-trainer.md").read_text(encoding="utf-8")
+def test_docs_embed_the_mapping_table(repo_root: Path) -> None:
+    page = (repo_root / "docs/packages/crf-core-trainer.md").read_text(encoding="utf-8")
     assert trl_sdpo_markdown() in page, (
         "docs/packages/crf-core-trainer.md's TRL SDPOConfig table is stale: paste "
         "crf_core.trainer.trl_sdpo.trl_sdpo_markdown() into it"
@@ -237,8 +235,8 @@ def test_trainer_from_trl_names_equals_trainer_from_crf_names(tiny_config: Calla
     import torch
     from datasets import Dataset
 
+    from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
     from crf_core.trainer import ComposerReplicationTrainer
-    from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     def half_success(completions: list[str], **kwargs: Any) -> list[float]:
         kwargs["log_extra"]("feedback", [None if i % 2 else f"wrong answer #{i}" for i in range(len(completions))])

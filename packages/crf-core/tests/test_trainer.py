@@ -14,9 +14,9 @@ pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
 import torch
 from datasets import Dataset
 
+from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
 from crf_core.trainer.pairs import collate_pairs
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
 PROMPT = "def add(a, b):\n    return"
 PROMPT_2 = "def sub(a, b):\n    return"  # same length: no left padding, so positions agree across code paths

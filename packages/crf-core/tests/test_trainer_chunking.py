@@ -18,9 +18,9 @@ pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
 import torch
 from datasets import Dataset
 
+from crf_core._testing.tiny_model import build_char_tokenizer
 from crf_core.channels import ChunkPlan
 from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
-from crf_core.trainer.tiny_model import build_char_tokenizer
 
 PROMPTS = ["def add(a, b):\n    return", "def sub(a, b):\n    return"]
 PAIRS = [

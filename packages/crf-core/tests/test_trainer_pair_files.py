@@ -21,9 +21,9 @@ pytest.importorskip("crf_replaysim", reason="pair files are read by crf-replaysi
 from datasets import Dataset
 
 import crf_replaysim as replaysim
+from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
 from crf_core.trainer.pair_files import read_pair_file
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
 FORMATS = ["records", "trl-standard", "trl-conversational"]
 

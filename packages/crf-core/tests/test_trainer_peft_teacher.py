@@ -23,10 +23,10 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
 from crf_core.trainer.state import STATE_FILE, TEACHER_FILE, ChannelState
 from crf_core.trainer.teacher import AdapterEmaTeacher, EmaTeacher
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
 PROMPTS = ["def add(a, b):\n    return", "def sub(a, b):\n    return", "def neg(x):\n    return"]
 LOGGER = "crf_core.trainer.trainer"

@@ -19,9 +19,9 @@ pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
 import torch
 from datasets import Dataset
 
+from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
 from crf_core.trainer.state import STATE_FILE, STATE_VERSION, TEACHER_FILE, ChannelState
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
 PROMPTS = ["def add(a, b):\n    return", "def sub(a, b):\n    return", "def neg(x):\n    return"]
 PAIRS = [{"prompt": p, "chosen": " a + b", "rejected": " a - b"} for p in PROMPTS] + [

@@ -76,8 +76,8 @@ def _trainer(tiny_config: Callable[..., Any], tmp_path: Path, **overrides: Any) 
     pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
     from datasets import Dataset
 
+    from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
     from crf_core.trainer import ComposerReplicationTrainer
-    from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     def half_success(completions: list[str], **kwargs: Any) -> list[float]:
         kwargs["log_extra"]("feedback", [None if i % 2 else f"wrong answer #{i}" for i in range(len(completions))])

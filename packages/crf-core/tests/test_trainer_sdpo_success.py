@@ -82,8 +82,8 @@ def _trainer(
     pytest.importorskip("trl", reason="the trainer needs the [train] extra (trl)")
     from datasets import Dataset
 
+    from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
     from crf_core.trainer import ComposerReplicationTrainer
-    from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_char_tokenizer()
     config = tiny_config(
@@ -239,7 +239,7 @@ def test_startup_line_names_each_channel_its_weight_and_the_ema_and_reference_by
     caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+    from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     saved = tmp_path / "policy"  # TRL loads its reference model (beta != 0) from the policy's path
     build_tiny_causal_lm(build_char_tokenizer(), hidden_size=32, num_layers=1, num_heads=2).save_pretrained(saved)
@@ -266,7 +266,7 @@ def test_startup_line_counts_the_actual_dtype_and_names_copy_free_channels(
 ) -> None:
     import torch
 
-    from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+    from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     half = build_tiny_causal_lm(build_char_tokenizer(), hidden_size=32, num_layers=1, num_heads=2).to(torch.bfloat16)
     with caplog.at_level(logging.INFO, logger=LOGGER):

@@ -17,8 +17,8 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import PrinterCallback
 
+from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
 PROMPTS = [
     "def add(a, b):\n    return",

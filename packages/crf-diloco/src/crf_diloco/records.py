@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from crf_diloco._checks import is_int
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.wire import CODECS, ShardPlan, parse_codec
 
@@ -76,7 +77,7 @@ class _Reader:
     def world(self) -> int:
         """The writer's ``world_size``, which must be the reader's."""
         v = self.obj["world_size"]
-        if v != self.world_size or not isinstance(v, int) or isinstance(v, bool):
+        if v != self.world_size or not is_int(v):
             raise CorruptObjectError(
                 f"{self.key}: written by a replica with world_size={v!r:.20}, this replica has world_size="
                 f"{self.world_size}; every replica of a run must be launched with the same world size"
@@ -88,7 +89,7 @@ class _Reader:
 
     def integer(self, name: str, lo: int = 0, hi: int = MAX_NUMEL) -> int:
         v = self.obj[name]
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        if not is_int(v) or not lo <= v <= hi:
             raise self.bad(name, f"an int in [{lo}, {hi}]")
         return v
 
@@ -140,9 +141,7 @@ class _Reader:
 
     def ranks(self, name: str) -> tuple[int, ...]:
         v = self.obj[name]
-        ok = isinstance(v, list) and all(
-            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size for r in v
-        )
+        ok = isinstance(v, list) and all(is_int(r) and 0 <= r < self.world_size for r in v)
         if not ok or list(v) != sorted(set(v)):
             raise self.bad(name, f"a sorted list of distinct ranks in [0, {self.world_size})")
         return tuple(v)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from crf_diloco._checks import is_int
 from crf_diloco.auth import MAC_HEX, Authenticator, default_tag_alg
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.strictjson import parse_json_object
@@ -526,7 +527,7 @@ def _parse_entry(name: str, info: Any, key: str) -> tuple[torch.dtype, tuple[int
     ints = [*shape, *offsets] if isinstance(shape, list) and isinstance(offsets, list) else None
     if dtype is None or ints is None or len(offsets) != 2 or len(shape) > 8:
         raise bad
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 50 for v in ints):
+    if not all(is_int(v) and 0 <= v < 1 << 50 for v in ints):
         raise bad
     count = 1
     for s in shape:

@@ -7,6 +7,7 @@ message that names the argument, what was expected, what was received and how to
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
@@ -18,7 +19,19 @@ __all__ = [
     "check_index_tensor",
     "check_mask",
     "check_same_leading",
+    "is_int",
+    "is_number",
 ]
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """An ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python, never a count or a size here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """An ``int`` or ``float`` that is not a ``bool`` (finiteness is the caller's to check)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _shape(x: torch.Tensor) -> str:
@@ -88,7 +101,7 @@ def check_same_leading(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tenso
 
 def check_finite_float(name: str, value: object) -> float:
     """Require a finite real number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"`{name}` must be a float, got {type(value).__name__}")
     v = float(value)
     if v != v or v in (float("inf"), float("-inf")):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from crf_distill._checks import check_float_tensor, check_same_leading
+from crf_distill._checks import check_float_tensor, check_same_leading, is_int
 from crf_distill.logprobs import compute_dtype
 
 __all__ = [
@@ -36,7 +36,7 @@ def check_logit_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor)
 def check_top_k(top_k: int | None, vocab: int) -> None:
     if top_k is None:
         return
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
+    if not is_int(top_k):
         raise TypeError(f"`top_k` must be an int or None, got {type(top_k).__name__}")
     if not 0 < top_k <= vocab:
         raise ValueError(f"`top_k` must lie in [1, vocab={vocab}], got {top_k}; use None for the full vocabulary")

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask
+from crf_distill._checks import check_float_tensor, check_index_tensor, check_mask, is_int, is_number
 from crf_distill.logprobs import compute_dtype
 from crf_distill.precision import (
     HALF_DTYPES,
@@ -363,7 +363,7 @@ def check_row_terms(terms: Sequence[RowTerm], rows: int) -> None:
 
 
 def check_temperature(temperature: float) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+    if not is_number(temperature) or not temperature > 0:
         raise ValueError(f"`temperature` must be a float > 0, got {temperature!r}")
 
 
@@ -371,7 +371,7 @@ def check_chunk_size(chunk_size: int | None, *, optional: bool) -> None:
     """A positive int of rows per chunk (or None when ``optional``: materialise)."""
     if chunk_size is None and optional:
         return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+    if not is_int(chunk_size) or chunk_size <= 0:
         extra = " or None" if optional else ""
         raise ValueError(f"`chunk_size` must be a positive int (rows per chunk){extra}, got {chunk_size!r}")
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from crf_distill._checks import check_finite_float, check_float_tensor, check_in_range, check_same_leading
+from crf_distill._checks import check_finite_float, check_float_tensor, check_in_range, check_same_leading, is_int
 from crf_distill._support import check_logit_pair, cross_entropy_per_token, kl_per_token
 from crf_distill.aggregate import Aggregation, aggregate
 from crf_distill.logprobs import compute_dtype
@@ -124,9 +124,9 @@ def taid_loss(
 
 def taid_linear_t(step: int, total_steps: int, t_start: float, t_end: float) -> float:
     """Linear schedule ``t_start + (t_end − t_start)·min(step/total_steps, 1)`` (TAID's floor; ``disable_adaptive``)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"`step` must be an int >= 0, got {step!r}")
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
+    if not is_int(total_steps) or total_steps <= 0:
         raise ValueError(f"`total_steps` must be an int > 0, got {total_steps!r}")
     t_start = check_in_range("t_start", t_start, 0.0, 1.0)
     t_end = check_in_range("t_end", t_end, 0.0, 1.0)

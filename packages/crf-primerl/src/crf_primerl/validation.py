@@ -8,7 +8,7 @@ non-negative weights) cost one device synchronisation in total.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import torch
 from torch import Tensor
@@ -26,6 +26,11 @@ _SLICE_HINT = (
     "                                 teacher_logprobs=None if batch.teacher_logprobs is None\n"
     "                                 else batch.teacher_logprobs[b]), **kwargs)"
 )
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """An ``int`` or ``float`` that is not a ``bool`` (finiteness is the caller's to check)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class Sample(NamedTuple):
@@ -168,7 +173,7 @@ def check_bounds(**values: float) -> None:
         ValueError: a value is negative or NaN.
     """
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})")
         if math.isnan(value) or value < 0:
             hint = " To disable the DPPO mask pass 1e6 for both bounds." if name.startswith("dppo_mask") else ""

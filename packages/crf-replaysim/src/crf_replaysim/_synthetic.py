@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+from crf_replaysim._checks import is_int
 from crf_replaysim.records import DPOPair, _dpo_pair_to_dj_record
 
 _WORDS = [
@@ -161,7 +162,7 @@ def _assistant(rng: random.Random, text: str, turn: int) -> dict[str, Any]:
 
 def synthetic_dj_records(n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
     """Yield ``n`` deterministic dj records (see the module docstring for what they contain)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not is_int(n) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []

@@ -34,6 +34,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
+from crf_replaysim._checks import is_int
 from crf_replaysim.jsonl import loads_bounded
 from crf_replaysim.messages import MessageError, content_text, flatten_action, flatten_prompt, validate_messages
 from crf_replaysim.records import (
@@ -224,7 +225,7 @@ def trl_row_to_dj_record(row: Mapping[str, Any], fmt: PairFormat, *, source_id: 
         "chosen_messages": chosen_messages,
         "rejected_messages": rejected_messages,
         "trace_id": trace_id if isinstance(trace_id, str) and trace_id else source_id,
-        "turn": turn if isinstance(turn, int) and not isinstance(turn, bool) and turn >= 0 else len(prompt_messages),
+        "turn": turn if is_int(turn) and turn >= 0 else len(prompt_messages),
         "meta": meta,
     }
     validate_dj_record(record)

@@ -27,6 +27,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
+from crf_replaysim._checks import is_int
+
 __all__ = [
     "DEFAULT_MAX_DEPTH",
     "DEFAULT_MAX_LINE_BYTES",
@@ -168,7 +170,7 @@ def iter_json_lines(
 
 def _check_limits(max_line_bytes: int, max_depth: int) -> None:
     for name, value in (("max_line_bytes", max_line_bytes), ("max_depth", max_depth)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 

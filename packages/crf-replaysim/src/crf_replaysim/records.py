@@ -38,6 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from crf_replaysim._checks import is_int
 from crf_replaysim.jsonl import DEFAULT_MAX_DEPTH, LONE_SURROGATE
 from crf_replaysim.messages import (
     MessageError,
@@ -188,7 +189,7 @@ def _check_fields(field_of: Callable[[str], Any], *, flat: bool, decoded: bool =
             _check_json(messages, name)
     if not isinstance(trace_id, str) or not trace_id:
         raise RecordError(f"trace_id is {trace_id!r}. Fix: give every pair the non-empty id of its source trace")
-    if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
+    if not is_int(turn) or turn < 0:
         raise RecordError(f"turn is {turn!r}. Fix: use the index (int >= 0) of the decided message in its trace")
     if not isinstance(meta, dict):
         raise RecordError(f"meta is {type(meta).__name__}. Fix: use a dict (JSON object)")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from crf_replaysim._checks import is_int
 from crf_replaysim._replay_state import ReplayBusyError, ReplayState, ReplayStateError, file_sha256, state_paths
 from crf_replaysim.jsonl import DEFAULT_MAX_LINE_BYTES, check_output
 from crf_replaysim.messages import action_key
@@ -182,9 +183,7 @@ def unwritable_point(trace: Trace, turn: int, *, teacher_model: str, chosen: Cho
 def _check_options(chosen: str, max_pending: int | None) -> None:
     if chosen not in CHOSEN_SOURCES:
         raise ValueError(f"chosen must be 'teacher' or 'recorded', got {chosen!r}")
-    if max_pending is not None and (
-        isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1
-    ):
+    if max_pending is not None and (not is_int(max_pending) or max_pending < 1):
         raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
 
 

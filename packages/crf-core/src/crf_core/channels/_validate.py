@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from crf_core._checks import is_int, is_number
+
 __all__ = ["check_choice", "check_number", "check_optional_int", "check_unit", "check_weight"]
 
 
@@ -19,7 +21,7 @@ def check_number(
     none_means: str | None = None,
 ) -> float:
     """A finite real number within ``[low, high]`` (``(low, high]`` when not ``low_inclusive``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         extra = f" or None ({none_means})" if none_means else ""
         raise ValueError(f"{name} must be a finite number{extra}, got {value!r}")
     ok_low = value >= low if low_inclusive else value > low
@@ -31,7 +33,7 @@ def check_number(
 
 def check_weight(name: str, value: Any) -> float:
     """A channel weight: a finite number >= 0 (0 switches the channel off)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if not is_number(value) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0 (0 switches the channel off), got {value!r}")
     return float(value)
 
@@ -45,7 +47,7 @@ def check_optional_int(name: str, value: Any, *, low: int, none_means: str) -> i
     """None, or an int >= ``low``."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an int >= {low} or None ({none_means}), got {value!r}")
     return value
 

@@ -28,6 +28,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from crf_core._checks import is_int, is_number
 from crf_distill import (
     HeadScores,
     RowSource,
@@ -77,11 +78,11 @@ class ChunkPlan:
         if self.mode not in CHUNK_MODES:
             raise ValueError(f"chunking mode must be 'auto', 'on' or 'off', got {self.mode!r}")
         size = self.chunk_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+        if size is not None and (not is_int(size) or size <= 0):
             raise ValueError(f"chunk_size must be a positive int (rows per chunk) or None, got {size!r}")
         for name in ("chunk_budget_mb", "auto_threshold_mb"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if not is_number(value) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
     def rows(self, n_rows: int, vocab: int) -> int | None:
@@ -170,7 +171,7 @@ class LMHead:
     ) -> None:
         if precision is not None and not isinstance(precision, HeadPrecision):
             raise TypeError(f"precision must be a HeadPrecision or None, got {type(precision).__name__}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        if not is_number(temperature) or not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
         self.model = model
         self.plan = plan or ChunkPlan()

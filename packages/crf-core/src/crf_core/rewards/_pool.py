@@ -54,6 +54,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from crf_core._checks import is_int
 from crf_core.rewards._bubblewrap import (
     SANDBOX_DIR,
     SHM_BYTES,
@@ -386,7 +387,7 @@ class SandboxPool:
     """
 
     def __init__(self, workers: int = 2, *, python: str | None = None, preload: Sequence[str] = ()) -> None:
-        if not (isinstance(workers, int) and not isinstance(workers, bool) and 1 <= workers <= 256):
+        if not (is_int(workers) and 1 <= workers <= 256):
             raise ValueError(f"workers must be an int in [1, 256], got {workers!r}")
         if isinstance(preload, str) or not all(isinstance(source, str) for source in preload):
             raise TypeError("preload must be a sequence of str (trusted Python sources)")

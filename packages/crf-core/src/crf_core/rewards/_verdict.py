@@ -22,6 +22,8 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+from crf_core._checks import is_int
+
 __all__ = ["BINARY", "CALLS", "MAX_INT_BITS", "MAX_ITEMS", "METHODS", "UNARY", "Refused", "call_method"]
 
 MAX_INT_BITS = 1 << 18  # 262,144 bits: fact(20000) fits
@@ -61,7 +63,7 @@ def _add(a: Any, b: Any) -> Any:
 
 def _mul(a: Any, b: Any) -> Any:
     for seq, times in ((a, b), (b, a)):
-        if isinstance(seq, _SEQUENCES) and isinstance(times, int) and not isinstance(times, bool):
+        if isinstance(seq, _SEQUENCES) and is_int(times):
             if len(seq) * max(times, 0) > MAX_ITEMS:
                 raise Refused("repeated sequence too long")
             return seq * times
@@ -113,7 +115,7 @@ def _hashed(items: Any) -> list[Any]:
 def _round(x: Any, digits: Any = None) -> Any:
     if digits is None:
         return round(_number(x))
-    if not isinstance(digits, int) or isinstance(digits, bool) or abs(digits) > 1000:
+    if not is_int(digits) or abs(digits) > 1000:
         raise Refused("round() digits must be a small int")
     return round(_number(x), digits)
 

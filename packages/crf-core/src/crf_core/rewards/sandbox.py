@@ -57,6 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from crf_core._checks import is_int, is_number
 from crf_core.rewards._bubblewrap import BWRAP_PACKAGE, Interpreter, bwrap_command, find_bwrap, interpreter, release_uid
 from crf_core.rewards._seccomp import seccomp_filter
 from crf_core.rewards._tree import remove_tree
@@ -382,9 +383,9 @@ class _Limits:
         tmp_mb: int,
         max_stderr_chars: int | None = None,
     ) -> _Limits:
-        if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and 0 < timeout_s < math.inf):
+        if not (is_number(timeout_s) and 0 < timeout_s < math.inf):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
-        if not (_is_int(memory_mb) and memory_mb >= 64):
+        if not (is_int(memory_mb) and memory_mb >= 64):
             raise ValueError(
                 f"memory_mb must be an int >= 64 (the interpreter itself needs ~30 MiB), got {memory_mb!r}"
             )
@@ -396,17 +397,13 @@ class _Limits:
             ("tmp_mb", tmp_mb, 1),
             ("max_stderr_chars", max_output_chars if max_stderr_chars is None else max_stderr_chars, 1),
         ):
-            if not (_is_int(value) and value >= low):
+            if not (is_int(value) and value >= low):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         mib = 1 << 20
         return cls(
             float(timeout_s), memory_mb * mib, max_output_chars, max_file_mb * mib, max_processes, max_open_files,
             tmp_mb * mib, max_output_chars if max_stderr_chars is None else max_stderr_chars,
         )  # fmt: skip
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _execute(

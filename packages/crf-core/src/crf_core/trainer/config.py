@@ -18,6 +18,7 @@ from typing import Literal, get_args
 
 from trl import GRPOConfig
 
+from crf_core._checks import is_int, is_number
 from crf_core.channels import ChunkMode, ChunkPlan, EntropyGate, PreferenceConfig, SDPOConfig, SDPOWrapper
 from crf_core.channels._validate import check_weight
 from crf_core.channels.trace_replay_dpo import parse_variant
@@ -479,9 +480,7 @@ class ComposerConfig(GRPOConfig):
     def _check_success_threshold(self) -> None:
         alias, value = self.success_reward_threshold, self.sdpo_success_reward_threshold
         for name, number in (("success_reward_threshold", alias), ("sdpo_success_reward_threshold", value)):
-            if number is not None and (
-                isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)
-            ):
+            if number is not None and (not is_number(number) or not math.isfinite(number)):
                 raise ValueError(f"{name} must be a finite number, got {number!r}")
         if alias is not None:
             default = type(self).__dataclass_fields__["sdpo_success_reward_threshold"].default
@@ -504,7 +503,7 @@ class ComposerConfig(GRPOConfig):
         if self.sdpo_success_threshold_mode == "relative" and self.reward_weights is not None:
             effective_success_threshold(value, "relative", self.reward_weights)  # positive sum of weights
         steps = self.sdpo_success_warning_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        if not is_int(steps) or steps < 0:
             raise ValueError(f"sdpo_success_warning_steps must be an int ≥ 0 (0 never warns), got {steps!r}")
 
     def success_monitor(self, reward_weights: Sequence[float]) -> SuccessMonitor:

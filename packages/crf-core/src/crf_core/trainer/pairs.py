@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from crf_core._checks import is_int, is_number
 from crf_core.channels import SequenceBatch
 
 if TYPE_CHECKING:
@@ -34,9 +35,7 @@ _REFERENCES = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 def _reference(index: int, key: str, value: Any) -> float | None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-    ):
+    if value is not None and (not is_number(value) or not math.isfinite(value)):
         raise ValueError(f"pair record {index}: {key!r} must be a finite number, got {value!r}")
     return None if value is None else float(value)
 
@@ -137,7 +136,7 @@ def _render_prompt(record: PairRecord, tokenizer: Any) -> str:
 
 def tokenize_pairs(records: Sequence[PairRecord], tokenizer: Any, max_length: int) -> list[TokenizedPair]:
     """Tokenise records; prompt + response is cut to ``max_length`` (prompt from the left, response from the right)."""
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+    if not is_int(max_length) or max_length < 2:
         raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
     eos = tokenizer.eos_token_id
     if eos is None:

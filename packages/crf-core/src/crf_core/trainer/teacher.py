@@ -26,6 +26,8 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from crf_core._checks import is_number
+
 __all__ = ["SDPO_TEACHERS", "AdapterEmaTeacher", "EmaTeacher", "SDPOTeacher", "is_peft_model"]
 
 SDPOTeacher = Literal["ema", "live"]
@@ -43,7 +45,7 @@ def is_peft_model(model: Any) -> bool:
 
 
 def _check_rate(rate: float) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+    if not is_number(rate) or not 0.0 <= rate <= 1.0:
         raise ValueError(f"EMA rate must be a number in [0, 1], got {rate!r}")
     return float(rate)
 

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from crf_core._checks import is_number
 from crf_core.trainer.teacher import SDPOTeacher
 
 __all__ = [
@@ -249,7 +250,7 @@ def resolve_trl_sdpo_options(config: Any) -> None:
     # ---- channel weights
     if "distillation_weight" in given:
         w = given["distillation_weight"]
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+        if not is_number(w) or not 0.0 <= w <= 1.0:
             raise ValueError(f"distillation_weight must be in [0, 1] (as in TRL), got {w!r}")
         _put(config, "distillation_weight", "grpo_weight", 1.0 - float(w))
         _put(config, "distillation_weight", "sdpo_weight", float(w))

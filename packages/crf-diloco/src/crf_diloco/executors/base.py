@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
+from crf_diloco._checks import is_int, is_number
 from crf_diloco.auth import launch_secret
 from crf_diloco.layout import validate_name
 from crf_diloco.replica_env import ENV_SECRET, replica_environment
@@ -161,7 +162,7 @@ def new_run_id() -> str:
 
 def validate_world_size(world_size: int) -> int:
     """Return ``world_size`` if it is an int >= 1."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1 (the number of replicas), got {world_size!r}")
     return world_size
 
@@ -170,7 +171,7 @@ def validate_timeout(timeout: float | None, name: str = "timeout") -> float | No
     """Return ``timeout`` if it is ``None`` or a finite number of seconds > 0."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+    if not is_number(timeout) or not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"{name} must be None (no limit) or a finite number of seconds > 0, got {timeout!r}")
     return float(timeout)
 
@@ -201,7 +202,7 @@ def normalize_uri(uri: str) -> str:
 
 def validate_tail_lines(tail_lines: int) -> int:
     """Return ``tail_lines`` (how many trailing output lines a `ReplicaResult` keeps) if it is an int >= 1."""
-    if isinstance(tail_lines, bool) or not isinstance(tail_lines, int) or tail_lines < 1:
+    if not is_int(tail_lines) or tail_lines < 1:
         raise ValueError(f"tail_lines must be an int >= 1, got {tail_lines!r}")
     return tail_lines
 

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from crf_diloco._checks import is_int
 from crf_diloco.executors._modal_worker import run_replica
 from crf_diloco.executors._remote import (
     PreparedLaunch,
@@ -353,7 +354,7 @@ class ModalExecutor(RemoteExecutor[_ModalLaunch, ModalReplicaHandle]):
             raise ValueError(f"gpu must be a GPU type such as 'H100', 'A100-80GB' or 'H100:8' (or a list), got {gpu!r}")
         if cpu is not None:
             validate_positive(cpu, "cpu")
-        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
+        if memory is not None and (not is_int(memory) or memory <= 0):
             raise ValueError(f"memory must be a whole number of MiB > 0, got {memory!r}")
         if image is not None and not isinstance(image, (str, modal.Image)):
             raise TypeError(f"image must be a modal.Image or a registry image name, got {type(image).__name__}")

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from crf_diloco._checks import is_number
 from crf_diloco.executors._process import ReplicaProcess, terminate_all
 from crf_diloco.executors.base import (
     ExecutorBase,
@@ -205,7 +206,7 @@ class RayExecutor(ExecutorBase[LaunchPlan, _RayLaunch, RayReplicaHandle]):
     ) -> None:
         self._ray = _import_ray()
         for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if not is_number(value) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0 (resources per replica task), got {value!r}")
         if placement_strategy not in _PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {_PLACEMENT_STRATEGIES}, got {placement_strategy!r}")

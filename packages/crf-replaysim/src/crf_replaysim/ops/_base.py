@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from crf_replaysim._checks import is_int, is_number
+
 OpKind = Literal["filter", "mapper", "deduplicator"]
 
 #: Keyword arguments every data-juicer op accepts that only steer its executor (parallelism, batching,
@@ -31,7 +33,7 @@ class RecipeError(ValueError):
 
 def check_number(op: str, name: str, value: object, *, minimum: float | None = None) -> float:
     """Return ``value`` if it is a real, non-NaN number (not a bool) at least ``minimum``; else raise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if not is_number(value) or math.isnan(value):
         raise RecipeError(f"{op}: {name} must be a number, got {value!r}; write e.g. `{name}: 0.5`.")
     if minimum is not None and value < minimum:
         raise RecipeError(f"{op}: {name} must be >= {minimum}, got {value!r}.")
@@ -40,7 +42,7 @@ def check_number(op: str, name: str, value: object, *, minimum: float | None = N
 
 def check_int(op: str, name: str, value: object, *, minimum: int) -> int:
     """Return ``value`` if it is an int (not a bool) at least ``minimum``; else raise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise RecipeError(f"{op}: {name} must be an integer >= {minimum}, got {value!r}.")
     return value
 

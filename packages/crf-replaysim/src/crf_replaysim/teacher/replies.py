@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from crf_replaysim._checks import is_int
 from crf_replaysim._http import split_credentials
 from crf_replaysim.messages import MessageError, validate_messages
 from crf_replaysim.teacher.errors import TeacherActionError, TeacherHTTPError, TeacherResponseError
@@ -67,7 +68,7 @@ def parse_completion(data: Any, *, cached: bool = False) -> TeacherReply:
         err = data["error"]
         code = err.get("code") if isinstance(err, dict) else None
         msg = err.get("message") if isinstance(err, dict) else err
-        if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600:
+        if is_int(code) and 400 <= code < 600:
             raise TeacherHTTPError(f"endpoint reported error {code}: {str(msg)[:BODY_SNIPPET]}", code, _retryable(code))
         raise TeacherResponseError(f"endpoint reported an error: {str(msg)[:BODY_SNIPPET]}")
     choices = data.get("choices")

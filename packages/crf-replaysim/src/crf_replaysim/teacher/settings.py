@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args
 
 import httpx
 
+from crf_replaysim._checks import is_int, is_number
 from crf_replaysim.teacher.errors import TeacherConfigError
 
 __all__ = [
@@ -37,20 +38,14 @@ def _whole(name: str, value: Any, minimum: int, *, optional: bool = False) -> No
     """Refuse ``value`` unless it is an int (not a bool) ``>= minimum`` (or ``None`` when ``optional``)."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         allowed = f"None or an int >= {minimum}" if optional else f"an int >= {minimum}"
         raise TeacherConfigError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _finite(name: str, value: Any, *, allow_zero: bool = False) -> float:
     """``value`` as a float, refused unless it is a finite number ``> 0`` (``>= 0`` with ``allow_zero``)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (value == 0 and not allow_zero)
-    ):
+    if not is_number(value) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise TeacherConfigError(f"{name} must be a finite number {bound}, got {value!r}")
     return float(value)

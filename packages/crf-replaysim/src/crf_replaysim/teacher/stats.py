@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from crf_replaysim._checks import is_int
+
 __all__ = ["TeacherStats"]
 
 
@@ -55,4 +57,4 @@ _COUNTERS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TeacherSta
 
 
 def _tokens(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    return value if is_int(value) and value > 0 else 0
