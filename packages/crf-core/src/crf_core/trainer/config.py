@@ -132,6 +132,14 @@ class ComposerConfig(GRPOConfig):
     entropy_opd_forward_weight: float = field(
         default=1.0, metadata={"help": "Entropy-OPD: weight of the gated forward-KL term."}
     )
+    sdpo_truncate_below: float | None = field(
+        default=None,
+        metadata={
+            "help": "First-error truncation (crf): a completion's first token whose teacher probability is below "
+            "this is where the rollout went wrong; SDPO trains up to and including it and on nothing after it. "
+            "None trains on every completion token (SDPO)."
+        },
+    )
 
     # ----------------------------------------------------------------- LM head execution
     lm_head_chunking: str = field(
@@ -521,6 +529,7 @@ class ComposerConfig(GRPOConfig):
             entropy_opd_gate=self.entropy_opd_gate,  # type: ignore[arg-type]
             entropy_opd_sharpness=self.entropy_opd_sharpness,
             entropy_opd_forward_weight=self.entropy_opd_forward_weight,
+            truncate_below=self.sdpo_truncate_below,
         )
 
     def _resolve_trl_dpo_aliases(self) -> None:

@@ -61,6 +61,7 @@ from crf_core.channels import (
     SequenceBatch,
     SequenceLogps,
     TraceReplayDPOChannel,
+    first_error_mask,
     hidden_source,
     score_completions,
     token_mean,
@@ -547,6 +548,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
         teacher, states = self.teacher_states(model, t_ids, t_mask)
         t_states = states.tensor[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + c]
         flat = t_states.reshape(rows.numel() * c, -1)
+        threshold = self.sdpo.config.truncate_below
+        if threshold is not None:  # first-error truncation: nothing after the teacher's first disagreement
+            with torch.no_grad():
+                scored = teacher.score(flat, completion_ids[rows].reshape(-1), is_logits=states.is_logits)
+            kept = first_error_mask(scored.logprobs.reshape(rows.numel(), c), token_mask[rows], threshold)
+            token_mask = token_mask.clone()
+            token_mask[rows] = kept.to(token_mask.dtype)
         slot = torch.full((signal.shape[0],), -1, dtype=torch.long, device=signal.device)
         slot[rows] = torch.arange(rows.numel(), device=signal.device)
         sdpo, taid_t = self.sdpo, None if self.taid_schedule is None else self.taid_schedule.t
