@@ -112,7 +112,8 @@ def test_an_episode_drafts_tests_fixes_and_submits(env: CodingEnvironment) -> No
     episode = env.episode
     assert [c.tool for c in episode.calls] == ["run_tests", "run_tests", "submit"]
     assert (episode.calls[0].passed, episode.calls[0].total) == (0, 2)
-    assert episode.saw_failure and episode.repaired
+    assert episode.saw_failure
+    assert episode.repaired
     assert episode.submission == RIGHT
 
 

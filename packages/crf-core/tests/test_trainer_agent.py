@@ -126,7 +126,11 @@ def _pairs() -> list[dict[str, Any]]:
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "run_tests", "arguments": json.dumps({"code": RIGHT_ADD})}}
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "run_tests", "arguments": json.dumps({"code": RIGHT_ADD})},
+                    }
                 ],
             },
             {"role": "tool", "tool_call_id": "c1", "content": "All 2 tests passed."},
@@ -134,7 +138,11 @@ def _pairs() -> list[dict[str, Any]]:
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {"id": "c2", "type": "function", "function": {"name": "submit", "arguments": json.dumps({"code": RIGHT_ADD})}}
+                    {
+                        "id": "c2",
+                        "type": "function",
+                        "function": {"name": "submit", "arguments": json.dumps({"code": RIGHT_ADD})},
+                    }
                 ],
             },
         ],
@@ -143,7 +151,11 @@ def _pairs() -> list[dict[str, Any]]:
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {"id": "c3", "type": "function", "function": {"name": "submit", "arguments": json.dumps({"code": WRONG_ADD})}}
+                    {
+                        "id": "c3",
+                        "type": "function",
+                        "function": {"name": "submit", "arguments": json.dumps({"code": WRONG_ADD})},
+                    }
                 ],
             }
         ],
@@ -236,14 +248,16 @@ def test_tool_calls_run_in_the_sandbox(generated: tuple[ComposerReplicationTrain
     assert episodes[1].calls[0].result.startswith("exit status 1")  # `add` is not defined in a fresh sandbox
     assert "NameError" in episodes[1].calls[0].result
     assert [e.reward for e in episodes] == [1.0, 0.0, 0.0, 0.0]
-    assert episodes[0].repaired and not episodes[2].repaired
+    assert episodes[0].repaired
+    assert not episodes[2].repaired
     assert trainer._metrics["train"]["rewards/CodingEnvironment/mean"][-1] == pytest.approx(0.25)
     assert trainer._metrics["train"]["tools/call_frequency"][-1] == pytest.approx(7 / 4)
     # the tool results are in the completions, masked out of the loss
     tool_mask, completion_mask = batch["tool_mask"], batch["completion_mask"]
     assert bool(((completion_mask * (1 - tool_mask)).sum(1) > 0).all())
     text = trainer.processing_class.decode(batch["completion_ids"][0][(completion_mask[0] * (1 - tool_mask[0])) > 0])
-    assert "@T:2 of 2 tests failed." in text and "@T:Submitted." in text
+    assert "@T:2 of 2 tests failed." in text
+    assert "@T:Submitted." in text
     assert "<call>" not in text  # nothing the policy wrote is masked
     assert batch["advantages"][0] > 0 > batch["advantages"][1]
 
@@ -309,9 +323,13 @@ def test_sdpo_reprompt_carries_the_run_tests_feedback(
 ) -> None:
     trainer, batch = generated
     decode = trainer.processing_class.decode
-    prompts = [decode(ids[mask > 0]) for ids, mask in zip(batch["sdpo_teacher_prompt_ids"], batch["sdpo_teacher_prompt_mask"], strict=True)]
+    prompts = [
+        decode(ids[mask > 0])
+        for ids, mask in zip(batch["sdpo_teacher_prompt_ids"], batch["sdpo_teacher_prompt_mask"], strict=True)
+    ]
     feedback = trainer.environments[2].feedback
-    assert feedback is not None and "mul(2, 3) returned 5; expected 6" in feedback
+    assert feedback is not None
+    assert "mul(2, 3) returned 5; expected 6" in feedback
     # mul, first rollout: no successful peer, so the teacher reads what run_tests returned in the episode
     assert "The following is feedback from your unsuccessful earlier attempt" in prompts[2]
     assert feedback in prompts[2]
@@ -324,7 +342,9 @@ def test_sdpo_reprompt_carries_the_run_tests_feedback(
     assert trainer._metrics["train"]["self_distillation/feedback_used_fraction"][-1] > 0
 
 
-def test_hostile_tool_argument_is_contained_with_the_trainer_alive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hostile_tool_argument_is_contained_with_the_trainer_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     secret = "crf-agent-" + uuid.uuid4().hex
     monkeypatch.setenv("CRF_AGENT_TEST_TOKEN", secret)
     canary = tmp_path / "canary"
@@ -361,10 +381,12 @@ def test_checkpoint_and_resume_mid_run(tmp_path: Path) -> None:
     assert resumed.state.global_step == 2
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    assert straight.sdpo_teacher is not None and resumed.sdpo_teacher is not None
+    assert straight.sdpo_teacher is not None
+    assert resumed.sdpo_teacher is not None
     for name, a in straight.sdpo_teacher.state_dict().items():
         assert torch.equal(a, resumed.sdpo_teacher.state_dict()[name]), name
-    assert straight.pair_cursor is not None and resumed.pair_cursor is not None
+    assert straight.pair_cursor is not None
+    assert resumed.pair_cursor is not None
     assert straight.pair_cursor.state_dict() == resumed.pair_cursor.state_dict()
     assert [e.episode.reward for e in resumed.environments] == [e.episode.reward for e in straight.environments]
 
@@ -400,13 +422,16 @@ def test_multi_turn_pairs_round_trip_from_replaysim_records(tmp_path: Path) -> N
     )
     assert len(trainer._pairs) == 5
     ours = trainer._pairs[0]
-    assert ours.chosen_mask is not None and ours.rejected_mask is not None
+    assert ours.chosen_mask is not None
+    assert ours.rejected_mask is not None
     text = tokenizer.decode(ours.chosen_ids)
     scored = tokenizer.decode([t for t, m in zip(ours.chosen_ids, ours.chosen_mask, strict=True) if m])
     assert "@T:All 2 tests passed.\n" in text
     assert scored == call("run_tests", RIGHT_ADD) + call("submit", RIGHT_ADD)
     shipped = trainer._pairs[1]  # run_command(...) chosen over an edit without running the tests
-    shipped_scored = tokenizer.decode([t for t, m in zip(shipped.chosen_ids, shipped.chosen_mask or [], strict=True) if m])
+    shipped_scored = tokenizer.decode(
+        [t for t, m in zip(shipped.chosen_ids, shipped.chosen_mask or [], strict=True) if m]
+    )
     assert shipped_scored.startswith('<call>{"name": "run_command", "arguments": {"command": "python -m pytest')
     assert "@tools:read_file,run_command,edit_file,search_code\n" in tokenizer.decode(shipped.prompt_ids)
     trainer.model.train()
@@ -423,14 +448,28 @@ def warm_policy() -> Any:
     model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=1024)
     code = "def f():\n    return 1"
     response = [
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "run_tests", "arguments": {"code": code}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "run_tests", "arguments": {"code": code}}}],
+        },
         {"role": "tool", "name": "run_tests", "content": "All 1 tests passed."},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "submit", "arguments": {"code": code}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "submit", "arguments": {"code": code}}}],
+        },
         {"role": "tool", "name": "submit", "content": "Submitted."},
         {"role": "assistant", "content": ""},
     ]
     report = warm_start_on_episodes(
-        model, tokenizer, [([{"role": "user", "content": "f"}], response)], tools=TOOLS, steps=100, learning_rate=1e-2, batch_size=1
+        model,
+        tokenizer,
+        [([{"role": "user", "content": "f"}], response)],
+        tools=TOOLS,
+        steps=100,
+        learning_rate=1e-2,
+        batch_size=1,
     )
     assert report.last_loss < 0.05 < report.first_loss
     return model
@@ -447,4 +486,5 @@ def test_tiny_policy_calls_tools_through_trl(tmp_path: Path, warm_policy: Any) -
     assert all(c.result == "All 1 tests passed." for c in ran)
     assert any(e.reward == 1.0 for e in episodes)
     logged = [entry for entry in trainer.state.log_history if "tools/call_frequency" in entry]
-    assert logged and logged[-1]["tools/call_frequency"] > 0
+    assert logged
+    assert logged[-1]["tools/call_frequency"] > 0

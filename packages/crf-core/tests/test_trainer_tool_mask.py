@@ -93,7 +93,11 @@ def _float64_scores(
     entropy = -(logp.exp() * logp).sum(-1)
     real = attention_mask[:, -logits_to_keep:] > 0
     zero = torch.zeros((), dtype=lp.dtype)
-    return torch.where(real, lp, zero), torch.where(real, entropy, zero) if kwargs.get("compute_entropy") else None, None
+    return (
+        torch.where(real, lp, zero),
+        torch.where(real, entropy, zero) if kwargs.get("compute_entropy") else None,
+        None,
+    )
 
 
 @contextmanager
@@ -143,7 +147,9 @@ def _grpo_pair(tmp_path: Path, loss_type: str) -> tuple[GRPOTrainer, ComposerRep
     ours = ComposerReplicationTrainer(
         model=copy.deepcopy(model),
         reward_funcs=_zero_reward,
-        args=ComposerConfig(**_common(tmp_path / "crf", loss_type), sdpo_weight=0.0, lm_head_chunking="on", chunk_size=5),
+        args=ComposerConfig(
+            **_common(tmp_path / "crf", loss_type), sdpo_weight=0.0, lm_head_chunking="on", chunk_size=5
+        ),
         train_dataset=dataset,
         processing_class=tokenizer,
     )

@@ -111,7 +111,9 @@ class CodingEnvConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty column name (str), got {value!r}")
-        if self.hidden_tests_key is not None and (not isinstance(self.hidden_tests_key, str) or not self.hidden_tests_key):
+        if self.hidden_tests_key is not None and (
+            not isinstance(self.hidden_tests_key, str) or not self.hidden_tests_key
+        ):
             raise ValueError(f"hidden_tests_key must be a column name or None, got {self.hidden_tests_key!r}")
         if self.hidden_tests_key == self.tests_key:
             raise ValueError("hidden_tests_key names the visible tests column; use another column or None")
@@ -332,7 +334,9 @@ class CodingEnvironment:
             hidden = tuple(row[cfg.hidden_tests_key])
         entry_point = row.get(cfg.entry_point_key)
         if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
-            raise ValueError(f"column '{cfg.entry_point_key}' must hold a Python identifier or None, got {entry_point!r}")
+            raise ValueError(
+                f"column '{cfg.entry_point_key}' must hold a Python identifier or None, got {entry_point!r}"
+            )
         self._tests, self._hidden, self._entry_point = tuple(tests), hidden, entry_point
         self._calls, self._submission, self._outcome = [], None, None
         return cfg.instructions
@@ -463,4 +467,3 @@ class CodingEnvironment:
         for needle in self._config.strip_strings:
             text = text.replace(needle, "")
         return _bounded(redact_secrets(text, self._secrets), self._config.max_result_chars)
-

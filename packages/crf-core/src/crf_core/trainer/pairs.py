@@ -67,7 +67,9 @@ def check_pair_records(records: Iterable[Mapping[str, Any]]) -> list[dict[str, A
                 check_messages(record[key], f"pair record {i}: {key}")
         tools = record.get("tools")
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
-            raise ValueError(f"pair record {i}: 'tools' must be a list of tool schemas (dicts), got {type(tools).__name__}")
+            raise ValueError(
+                f"pair record {i}: 'tools' must be a list of tool schemas (dicts), got {type(tools).__name__}"
+            )
         out.append(dict(record))
     if not out:
         raise ValueError("no trace-replay pairs were given; pass a non-empty pair file or list")

@@ -102,9 +102,11 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, *, tool_calling: bool
         raise ValueError("alphabet has repeated characters; pass each character once")
     if not isinstance(tool_calling, bool):
         raise TypeError(f"tool_calling must be a bool, got {type(tool_calling).__name__}")
-    if tool_calling and not set("@:<>{}[]\"/,\n").issubset(alphabet):
-        raise ValueError("tool_calling=True needs the characters of the tool format (@ : < > { } [ ] \" / , newline) "
-                         "in the alphabet; use DEFAULT_ALPHABET")
+    if tool_calling and not set('@:<>{}[]"/,\n').issubset(alphabet):
+        raise ValueError(
+            'tool_calling=True needs the characters of the tool format (@ : < > { } [ ] " / , newline) '
+            "in the alphabet; use DEFAULT_ALPHABET"
+        )
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in alphabet:
         vocab[ch] = len(vocab)

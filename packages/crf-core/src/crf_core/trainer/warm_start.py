@@ -63,7 +63,11 @@ def warm_start_on_episodes(
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not 0 < learning_rate < math.inf:
+    if (
+        isinstance(learning_rate, bool)
+        or not isinstance(learning_rate, (int, float))
+        or not 0 < learning_rate < math.inf
+    ):
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
     schemas = _schemas(tools)
     rows = []
