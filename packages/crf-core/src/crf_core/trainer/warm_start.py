@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from crf_core.trainer.conversation import render_conversation
+from crf_core.trainer.conversation import RenderedConversation, render_conversation
 
 __all__ = ["WarmStartReport", "warm_start_on_episodes"]
 
@@ -88,7 +88,7 @@ def warm_start_on_episodes(
     losses: list[float] = []
     try:
         for _ in range(steps):
-            batch = []
+            batch: list[RenderedConversation] = []
             while len(batch) < min(batch_size, len(rows)):
                 if not order:
                     order = list(range(len(rows)))
