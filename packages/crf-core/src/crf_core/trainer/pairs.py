@@ -12,7 +12,9 @@ Records are crf-replaysim's normalised DPO pairs (flat ``prompt``/``chosen``/``r
 * ``"flat"``: the prompt rendered from ``prompt_messages`` with the chat template when the tokenizer has one (else
   the flat ``prompt``); responses are the flat strings followed by EOS (a tool call is the text ``name(args)``).
 * ``"auto"`` (the trainer's default): ``"chat"`` for a record with the three message lists when the chat template renders tool
-  calls and tool results (TRL's ``supports_tool_calling``), else ``"flat"``.
+  calls and tool results (TRL's ``supports_tool_calling``), else ``"flat"``; a record the template cannot render as a
+  conversation (not prefix-preserving, or cut to nothing by ``max_length``) falls back to ``"flat"`` with a warning,
+  where ``"chat"`` raises.
 
 Order: every rank draws the same sequence of permutations of all pairs (one seeded generator); each micro-batch
 takes the next ``batch_size × world_size`` indices of that stream and rank ``r`` uses the ``r``-th slice, so the
@@ -115,6 +117,7 @@ def tokenize_pairs(
     chat_capable = render == "chat" or (render == "auto" and _renders_tool_calls(tokenizer))
     out = []
     chat = 0
+    unrendered: list[str] = []
     for i, record in enumerate(records):
         has_messages = all(isinstance(record.get(k), list) and record.get(k) for k in _MESSAGE_KEYS)
         if render == "chat" and not has_messages:
@@ -123,9 +126,14 @@ def tokenize_pairs(
                 "trace_replay_render='chat' needs; use crf-replaysim's records or trace_replay_render='flat'"
             )
         if chat_capable and has_messages:
-            out.append(_chat_pair(i, record, tokenizer, max_length))
-            chat += 1
-            continue
+            try:
+                out.append(_chat_pair(i, record, tokenizer, max_length))
+                chat += 1
+                continue
+            except ValueError as exc:
+                if render == "chat":
+                    raise
+                unrendered.append(str(exc))  # "auto": this record trains as flat text (warned below)
         prompt = list(tokenizer(_render_prompt(record, tokenizer))["input_ids"])
         sides = [[*tokenizer(record[k], add_special_tokens=False)["input_ids"], eos] for k in ("chosen", "rejected")]
         keep_prompt = max(1, min(len(prompt), max_length - max(len(s) for s in sides)))
@@ -133,6 +141,13 @@ def tokenize_pairs(
         sides = [s[: max_length - len(prompt)] for s in sides]
         out.append(
             TokenizedPair(prompt, sides[0], sides[1], record.get("ref_chosen_logps"), record.get("ref_rejected_logps"))
+        )
+    if unrendered:
+        logger.warning(
+            "trace-replay pairs: %d record(s) could not be rendered as conversations and train as flat text (first: "
+            "%s); set trace_replay_render='chat' to make this an error, or 'flat' to silence it",
+            len(unrendered),
+            unrendered[0],
         )
     if render == "auto" and records:
         logger.info("trace-replay pairs: %d rendered as conversations, %d as flat text", chat, len(out) - chat)
