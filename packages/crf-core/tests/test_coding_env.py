@@ -17,6 +17,7 @@ from crf_core.rewards import (
     Episode,
     TestOutcome,
     ToolCall,
+    demonstration_episode,
     redact_secrets,
     summarize_episodes,
 )
@@ -247,3 +248,33 @@ def test_summarize_episodes() -> None:
     assert summarize_episodes([Episode()]).repair_rate is None
     with pytest.raises(ValueError, match="non-empty"):
         summarize_episodes([])
+
+
+def test_demonstration_episode_plays_actions_in_the_sandbox(bwrap: None) -> None:
+    row = {**ROW, "prompt": [{"role": "user", "content": "Write add."}]}
+    config = CodingEnvConfig(instructions=" Use the tools.")
+    context, response, episode = demonstration_episode(
+        row, [("run_tests", WRONG), ("submit", RIGHT)], config=config, final_text="done"
+    )
+    assert context == [{"role": "user", "content": "Write add. Use the tools."}]
+    assert [m["role"] for m in response] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert response[0]["tool_calls"][0]["function"] == {"name": "run_tests", "arguments": {"code": WRONG}}
+    assert response[1]["content"].startswith("2 of 2 tests failed.")
+    assert response[1]["tool_call_id"] == response[0]["tool_calls"][0]["id"]
+    assert response[3]["content"] == "Submitted."
+    assert response[4] == {"role": "assistant", "content": "done"}
+    assert episode.repaired
+    assert episode.reward == 1.0
+
+
+@pytest.mark.parametrize(
+    ("row", "actions", "match"),
+    [
+        ({"prompt": "text", "tests": ADD_TESTS}, [("submit", RIGHT)], "conversational 'prompt'"),
+        (ROW, [], "non-empty sequence"),
+        (ROW, [("delete", RIGHT)], "action 0 must be"),
+    ],
+)
+def test_demonstration_episode_refuses_bad_input(bwrap: None, row: Any, actions: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        demonstration_episode(row, actions)

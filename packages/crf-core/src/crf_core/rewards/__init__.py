@@ -30,6 +30,7 @@ from crf_core.rewards.coding_env import (
     Episode,
     EpisodeSummary,
     ToolCall,
+    demonstration_episode,
     redact_secrets,
     summarize_episodes,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "UnsplittableTestError",
     "bubblewrap_problem",
     "bubblewrap_usable",
+    "demonstration_episode",
     "extract_code",
     "parse_test",
     "parse_tests",

@@ -49,6 +49,7 @@ __all__ = [
     "Episode",
     "EpisodeSummary",
     "ToolCall",
+    "demonstration_episode",
     "redact_secrets",
     "summarize_episodes",
 ]
@@ -467,3 +468,52 @@ class CodingEnvironment:
         for needle in self._config.strip_strings:
             text = text.replace(needle, "")
         return _bounded(redact_secrets(text, self._secrets), self._config.max_result_chars)
+
+
+def demonstration_episode(
+    row: Mapping[str, Any],
+    actions: Sequence[tuple[ToolName, str]],
+    *,
+    config: CodingEnvConfig | None = None,
+    final_text: str = "",
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Episode]:
+    """Play ``actions`` (``(tool, code)`` pairs) in a fresh :class:`CodingEnvironment` on a dataset ``row`` and return
+    the rollout as TRL would hold it: ``(context, response, episode)``.
+
+    ``context`` is the row's conversational ``prompt`` with ``reset``'s instructions appended to its last message (as
+    TRL does); ``response`` alternates an assistant turn calling each tool (arguments as a dict) and the tool's
+    result, as run in the sandbox, and ends with an assistant turn of ``final_text`` (the policy stopping). Use it to
+    build warm-start demonstrations (``crf_core.trainer.warm_start``) or trace-replay pairs from real tool results.
+    """
+    prompt = row.get("prompt") if isinstance(row, Mapping) else None
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(m, Mapping) for m in prompt):
+        raise ValueError("row must hold a conversational 'prompt' (a non-empty list of chat messages)")
+    if isinstance(actions, (str, bytes)) or not isinstance(actions, Sequence) or not actions:
+        raise ValueError("actions must be a non-empty sequence of (tool, code) pairs")
+    if not isinstance(final_text, str):
+        raise TypeError(f"final_text must be a str, got {type(final_text).__name__}")
+    env = CodingEnvironment(config)
+    observation = env.reset(**row)
+    context = [dict(m) for m in prompt]
+    if observation is not None:
+        last = context[-1]
+        context[-1] = {**last, "content": f"{last.get('content') or ''}{observation}"}
+    response: list[dict[str, Any]] = []
+    for index, action in enumerate(actions):
+        if not (isinstance(action, tuple) and len(action) == 2 and action[0] in ("run_python", "run_tests", "submit")):
+            raise ValueError(f"action {index} must be a (tool, code) pair with tool run_python, run_tests or submit")
+        tool, code = action
+        result = getattr(env, tool)(code)
+        call_id = f"call_{index}"
+        response.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": tool, "arguments": {"code": code}}}
+                ],
+            }
+        )
+        response.append({"role": "tool", "tool_call_id": call_id, "name": tool, "content": result})
+    response.append({"role": "assistant", "content": final_text})
+    return context, response, env.episode
