@@ -19,6 +19,7 @@ from trl import GRPOConfig
 
 from crf_core.channels import ChunkPlan, PreferenceConfig, SDPOConfig
 from crf_core.channels._validate import check_weight
+from crf_core.trainer.pairs import PAIR_RENDERINGS
 from crf_core.trainer.reprompt import (
     DEFAULT_FEEDBACK_TEMPLATE,
     DEFAULT_REPROMPT_TEMPLATE,
@@ -421,6 +422,16 @@ class ComposerConfig(GRPOConfig):
             "help": "Longest prompt+response in tokens; the prompt is cut from the left, the response from the right."
         },
     )
+    trace_replay_render: str = field(
+        default="auto",
+        metadata={
+            "help": "How trace-replay pairs become tokens: 'chat' (prompt_messages + chosen/rejected_messages rendered "
+            "with the chat template and the record's tools, the conversation intact; only the response's assistant "
+            "turns, tool calls included, are scored, never tool results), 'flat' (the flat chosen/rejected text after "
+            "the prompt), or 'auto' ('chat' for records with the message lists when the chat template renders tool "
+            "calls and tool results, else 'flat')."
+        },
+    )
     trace_replay_reference: str = field(
         default="auto",
         metadata={
@@ -469,6 +480,8 @@ class ComposerConfig(GRPOConfig):
             raise ValueError(f"trace_replay_batch_size must be a positive int, got {self.trace_replay_batch_size!r}")
         if not (isinstance(self.trace_replay_max_length, int) and self.trace_replay_max_length >= 2):
             raise ValueError(f"trace_replay_max_length must be an int ≥ 2, got {self.trace_replay_max_length!r}")
+        if self.trace_replay_render not in PAIR_RENDERINGS:
+            raise ValueError(f"trace_replay_render must be one of {PAIR_RENDERINGS}, got {self.trace_replay_render!r}")
         if self.trace_replay_reference not in TRACE_REPLAY_REFERENCES:
             raise ValueError(
                 f"trace_replay_reference must be one of {TRACE_REPLAY_REFERENCES}, got {self.trace_replay_reference!r}"
