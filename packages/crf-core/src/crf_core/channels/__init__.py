@@ -32,6 +32,7 @@ from crf_core.channels.sdpo import (
     SDPOTargets,
     SDPOWrapper,
     TeacherForward,
+    first_error_mask,
     sdpo_targets,
 )
 from crf_core.channels.trace_replay_dpo import (
@@ -67,6 +68,7 @@ __all__ = [
     "SequenceLogps",
     "TeacherForward",
     "TraceReplayDPOChannel",
+    "first_error_mask",
     "hidden_source",
     "lm_ce_term",
     "logits_source",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from crf_core._checks import is_int
 from crf_core.channels.head import LMHead
 from crf_distill import RowTerm
 
@@ -57,7 +58,7 @@ def score_completions(
             f"{tuple(attention_mask.shape)}"
         )
     length = input_ids.shape[1]
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or not 0 < logits_to_keep < length:
+    if not is_int(logits_to_keep) or not 0 < logits_to_keep < length:
         raise ValueError(f"logits_to_keep must be an int in [1, T={length}), got {logits_to_keep!r}")
     start = length - logits_to_keep
     states = head.states(input_ids, attention_mask)

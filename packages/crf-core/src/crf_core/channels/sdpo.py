@@ -15,12 +15,15 @@ under no-grad on ``[reprompt ; completion]``), both at the sampling temperature:
 * ``w_bc = min(exp(lp_bc − lp_old,bc), is_clip)`` is the detached truncated IS weight (1 on-policy; off when
   ``is_clip`` is None).
 * ``m`` is the completion mask times the per-sample ``self_distillation_mask`` (samples with a teacher signal).
+  With ``truncate_below`` (first-error truncation, crf) ``m`` is also zeroed after each row's first token
+  whose teacher probability is below it (:func:`first_error_mask`).
 
 The channel is one :class:`~crf_distill.RowTerm` (``D·w`` per row) scored in the same LM-head pass as the
 student's other rows (see ``crf_core.channels.head``), so it never needs its own ``(B, C, V)`` logits, then a
 token mean. Used unchanged by ``compose_loss`` and by ``ComposerReplicationTrainer``, which both build the
 channel's inputs with :func:`sdpo_targets` (one home for the teacher forward, the slice at the completion offset,
-the row mapping to the teacher, the old log-prob alignment and the row layout) and score it with
+the row mapping to the teacher, the old log-prob alignment, the row layout and the first-error truncation of
+the token weights) and score it with
 :meth:`SDPOChannel.term_at`.
 
 Row layout: :class:`SDPOTargets` hold one row per completion token, row ``b·C + j`` for token ``j`` of sample ``b``
@@ -37,6 +40,7 @@ from typing import Literal, get_args
 
 import torch
 
+from crf_core._checks import is_number
 from crf_core.channels._validate import check_choice, check_number, check_optional_int, check_unit
 from crf_core.channels.head import HeadStates, LMHead, RowSource, hidden_source, logits_source
 from crf_distill import (
@@ -59,6 +63,7 @@ __all__ = [
     "SDPOTargets",
     "SDPOWrapper",
     "TeacherForward",
+    "first_error_mask",
     "sdpo_targets",
 ]
 
@@ -86,6 +91,10 @@ class SDPOConfig:
             ``clamp(H / h_max, 0, 1)``.
         entropy_opd_sharpness: ``s`` of the sigmoid gate.
         entropy_opd_forward_weight: weight of the gated forward-KL term.
+        truncate_below: first-error truncation (crf; see `first_error_mask`): a completion's first token to
+            which the teacher gives a probability below this is where the rollout went wrong; SDPO trains on
+            the tokens up to and including it and on none after it (the teacher there reads a context it would
+            not have written). None (default) trains on every completion token, as SDPO does.
     """
 
     alpha: float = 0.5
@@ -102,8 +111,16 @@ class SDPOConfig:
     entropy_opd_gate: EntropyGate = "hard"
     entropy_opd_sharpness: float = 5.0
     entropy_opd_forward_weight: float = 1.0
+    truncate_below: float | None = None
 
     def __post_init__(self) -> None:
+        if self.truncate_below is not None:
+            check_number("sdpo_truncate_below", self.truncate_below, low=0.0, low_inclusive=False, none_means="off")
+            if not self.truncate_below < 1.0:
+                raise ValueError(
+                    f"sdpo_truncate_below is a probability in (0, 1), got {self.truncate_below!r}; e.g. 0.1, or None "
+                    "to train on every completion token"
+                )
         check_unit("sdpo_alpha", self.alpha)
         check_optional_int("sdpo_top_k", self.top_k, low=1, none_means="the full vocabulary")
         if not isinstance(self.add_tail, bool):
@@ -173,6 +190,9 @@ class SDPOTargets:
         labels: ``(N,)`` sampled token of each row (for ``is_clip``).
         old_logprobs: ``(N,)`` behaviour log-probs of those tokens; None is on-policy (the IS weight is then the
             constant ``min(1, is_clip)``).
+        weights: ``(B, C)`` token weights the SDPO term is averaged over (the caller's, with every token after each
+            row's first error zeroed under first-error truncation, see :func:`first_error_mask`); None when the
+            caller gave none. Not carried by :meth:`rows`.
     """
 
     teacher: RowSource
@@ -180,6 +200,7 @@ class SDPOTargets:
     anchor: RowSource | None = None
     labels: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> SDPOTargets:
         """These targets seen from other rows: row ``i`` of the result is row ``index[i]`` ``(N',)`` of these."""
@@ -220,6 +241,8 @@ def sdpo_targets(
     old_logprobs: torch.Tensor | None = None,
     taid_t: float | None = None,
     anchor: RowSource | None = None,
+    weights: torch.Tensor | None = None,
+    truncate_below: float | None = None,
 ) -> SDPOTargets:
     """SDPO's targets for ``B`` samples of ``C`` completion tokens, in the row layout ``b·C + j``.
 
@@ -228,36 +251,59 @@ def sdpo_targets(
     completion tokens) for the samples with a ``signal`` ``(B,)`` only; its states are sliced at the completion
     offset and projected row by row on demand. ``old_logprobs`` ``(B, C)`` are the behaviour log-probs of the
     completion tokens (for ``is_clip``); ``anchor`` is TAID's anchor over the same rows.
+
+    ``weights`` ``(B, C)`` are the token weights the term is averaged over (the completion mask, tool results
+    zeroed, times the per-sample signal); they come back as ``SDPOTargets.weights``, and with ``truncate_below``
+    (``SDPOConfig.truncate_below``) every token after each signalled row's first error is zeroed there
+    (:func:`first_error_mask` on the teacher's no-grad log-probs of the completion tokens).
     """
     batch, c = completion_ids.shape
     if signal.shape != (batch,):
         raise ValueError(f"signal must be (B={batch},), got {tuple(signal.shape)}")
-    if teacher_logits is not None:
-        source = logits_source(teacher_logits.reshape(batch * c, -1), lambda rows: rows)
-    else:
-        if teacher is None or teacher_input_ids is None or teacher_attention_mask is None:
-            raise ValueError("SDPO targets need teacher_logits, or a teacher with teacher_input_ids/attention_mask")
-        length = teacher_input_ids.shape[1]
-        if length <= c or not torch.equal(teacher_input_ids[:, length - c :], completion_ids):
-            raise ValueError(
-                "inputs['teacher_input_ids'] must end with the same C completion tokens as 'input_ids' "
-                "(teacher prompt, then the student's completion); rebuild it as cat(teacher_prompt_ids, completion_ids)"
-            )
-        scored = signal.nonzero(as_tuple=True)[0]  # the teacher runs on the samples with a signal only
-        if scored.numel() == 0:  # no row is active, so no teacher row is ever read
-            return SDPOTargets(_no_teacher, taid_t, anchor, labels=completion_ids.reshape(-1))
-        with torch.no_grad():
-            head, states = teacher(teacher_input_ids[scored], teacher_attention_mask[scored])
-            flat = completion_states(states, c).reshape(scored.numel() * c, -1)
-        slot = torch.full((batch,), -1, dtype=torch.long, device=signal.device)
-        slot[scored] = torch.arange(scored.numel(), device=signal.device)
-
-        def teacher_row(rows: torch.Tensor) -> torch.Tensor:  # row b·C + j -> row slot[b]·C + j of `flat`
-            return slot[rows // c].clamp_min(0) * c + rows % c
-
-        source = hidden_source(head, flat, teacher_row)
+    if weights is not None and tuple(weights.shape) != (batch, c):
+        raise ValueError(f"weights must be (B={batch}, C={c}), got {tuple(weights.shape)}")
+    if truncate_below is not None and weights is None:
+        raise ValueError("first-error truncation (truncate_below) needs the (B, C) token weights it truncates")
+    labels = completion_ids.reshape(-1)
     old = None if old_logprobs is None else old_logprobs.detach().reshape(-1)
-    return SDPOTargets(source, taid_t, anchor, labels=completion_ids.reshape(-1), old_logprobs=old)
+    if teacher_logits is not None:
+        flat_logits = teacher_logits.reshape(batch * c, -1)
+        source = logits_source(flat_logits, lambda rows: rows)
+        if truncate_below is not None:
+            assert weights is not None
+            with torch.no_grad():
+                logprobs = token_logprobs(flat_logits.detach(), labels, ignore_index=None).reshape(batch, c)
+            weights = first_error_mask(logprobs, weights, truncate_below)
+        return SDPOTargets(source, taid_t, anchor, labels=labels, old_logprobs=old, weights=weights)
+    if teacher is None or teacher_input_ids is None or teacher_attention_mask is None:
+        raise ValueError("SDPO targets need teacher_logits, or a teacher with teacher_input_ids/attention_mask")
+    length = teacher_input_ids.shape[1]
+    if length <= c or not torch.equal(teacher_input_ids[:, length - c :], completion_ids):
+        raise ValueError(
+            "inputs['teacher_input_ids'] must end with the same C completion tokens as 'input_ids' "
+            "(teacher prompt, then the student's completion); rebuild it as cat(teacher_prompt_ids, completion_ids)"
+        )
+    scored = signal.nonzero(as_tuple=True)[0]  # the teacher runs on the samples with a signal only
+    if scored.numel() == 0:  # no row is active, so no teacher row is ever read
+        return SDPOTargets(_no_teacher, taid_t, anchor, labels=labels, weights=weights)
+    with torch.no_grad():
+        head, states = teacher(teacher_input_ids[scored], teacher_attention_mask[scored])
+        flat = completion_states(states, c).reshape(scored.numel() * c, -1)
+        if truncate_below is not None:  # first-error truncation: nothing after the teacher's first disagreement
+            assert weights is not None
+            teacher_lp = head.score(flat, completion_ids[scored].reshape(-1), is_logits=states.is_logits).logprobs
+            weights = weights.clone()
+            weights[scored] = first_error_mask(
+                teacher_lp.reshape(scored.numel(), c), weights[scored], truncate_below
+            ).to(weights.dtype)
+    slot = torch.full((batch,), -1, dtype=torch.long, device=signal.device)
+    slot[scored] = torch.arange(scored.numel(), device=signal.device)
+
+    def teacher_row(rows: torch.Tensor) -> torch.Tensor:  # row b·C + j -> row slot[b]·C + j of `flat`
+        return slot[rows // c].clamp_min(0) * c + rows % c
+
+    source = hidden_source(head, flat, teacher_row)
+    return SDPOTargets(source, taid_t, anchor, labels=labels, old_logprobs=old, weights=weights)
 
 
 class SDPOChannel:
@@ -327,3 +373,34 @@ class SDPOChannel:
         at = position.clamp_min(0)
         active = inside & (weights[sample, at] > 0)
         return self.term(targets.rows(sample * c + at), active)
+
+
+def first_error_mask(teacher_logprobs: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``mask`` with every token after each row's first error zeroed (first-error truncation, crf).
+
+    A row's first error is its first token with ``mask > 0`` whose teacher log-prob is below ``log(threshold)``:
+    the teacher, reading the feedback, would not have written it. The error itself is kept (there the teacher's
+    distribution says what to write instead); later tokens are not, since the teacher's predictions there are
+    conditioned on a prefix it would not have produced. Why it matters: a mass-covering divergence (forward KL)
+    distilled on those later tokens teaches the student whatever the teacher makes of the wrong prefix, and with
+    a self-teacher that tracks the student (EMA) the two feed each other.
+
+    Args:
+        teacher_logprobs: ``(B, C)`` teacher log-probs of the sampled completion tokens.
+        mask: ``(B, C)`` 0/1 (or weights) on the tokens SDPO may train on.
+        threshold: probability in (0, 1).
+
+    Returns:
+        ``(B, C)`` mask of ``mask``'s dtype.
+    """
+    if not isinstance(teacher_logprobs, torch.Tensor) or not teacher_logprobs.is_floating_point():
+        raise TypeError("teacher_logprobs must be a floating-point tensor of log-probs")
+    if teacher_logprobs.dim() != 2 or tuple(mask.shape) != tuple(teacher_logprobs.shape):
+        raise ValueError(
+            f"teacher_logprobs and mask must both be (B, C), got {tuple(teacher_logprobs.shape)} and {tuple(mask.shape)}"
+        )
+    if not is_number(threshold) or not 0.0 < threshold < 1.0:
+        raise ValueError(f"threshold must be a probability in (0, 1), got {threshold!r}")
+    error = ((teacher_logprobs.detach() < math.log(threshold)) & (mask > 0)).long()
+    after = (error.cumsum(dim=1) - error) > 0  # strictly after the first error
+    return mask * (~after).to(mask.dtype)

@@ -2,8 +2,10 @@
 
 Every format crf-replaysim reads is accepted: its own records (``schema_version`` 1.x) and TRL's standard and
 conversational preference rows. A bad line (bad JSON or encoding, wrong schema, a newer major schema version) is
-skipped and reported with its line number, or, with ``strict``, fails the run. Chat pairs keep their prompt
-messages (rendered with the tokenizer's chat template); TRL standard rows train on the flat prompt as written.
+skipped and reported with its line number, or, with ``strict``, fails the run. Chat pairs keep their conversation:
+``prompt_messages``, ``chosen_messages`` and ``rejected_messages`` (tool calls and tool results included) and the
+trace's tool schemas (``meta.tools``, as ``tools``), rendered by ``crf_core.trainer.pairs``; TRL standard rows
+train on the flat prompt as written.
 Precomputed reference log-probs may ride in a record's ``meta`` as ``ref_chosen_logps``/``ref_rejected_logps``.
 crf-replaysim's typed ``LoadedPair`` becomes the trainer's :class:`~crf_core.trainer.pairs.PairRecord` directly.
 """
@@ -21,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def read_pair_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[PairRecord]:
-    """The trainer's records (``prompt``/``chosen``/``rejected`` and, for chat pairs, ``prompt_messages``) of a
-    pair file; bad lines are logged and skipped (``strict``: the first raises ``crf_replaysim.RecordError``)."""
+    """The trainer's records (``prompt``/``chosen``/``rejected`` and, for chat pairs, the three message lists and
+    ``tools``) of a pair file; bad lines are logged and skipped (``strict``: the first raises
+    ``crf_replaysim.RecordError``)."""
     from crf_replaysim import RecordError, read_pairs
 
     records: list[PairRecord] = []

@@ -2,10 +2,21 @@
 
 A pair reaches tokenisation as a typed :class:`PairRecord`: straight from crf-replaysim's ``LoadedPair`` (its
 pair already validated by crf-replaysim's schema; :meth:`PairRecord.from_loaded`), or parsed once from a mapping
-as crf-replaysim writes them (flat ``prompt``/``chosen``/``rejected`` strings, optional ``prompt_messages`` chat
-list and ``ref_chosen_logps``/``ref_rejected_logps`` numbers; :meth:`PairRecord.from_mapping`). The prompt is
-rendered with the tokenizer's chat template from ``prompt_messages`` when the tokenizer has one, else the flat
-``prompt`` is used; responses are the flat strings followed by EOS.
+as crf-replaysim writes them (:meth:`PairRecord.from_mapping`): flat ``prompt``/``chosen``/``rejected`` strings,
+optional ``prompt_messages``/``chosen_messages``/``rejected_messages`` chat lists, ``tools`` schemas and
+``ref_chosen_logps``/``ref_rejected_logps`` numbers. Three renderings (``render``; the trainer's
+``trace_replay_render``):
+
+* ``"chat"``: the conversation intact. ``prompt_messages + chosen_messages`` (and ``+ rejected_messages``) are
+  rendered with the tokenizer's chat template and the record's ``tools``, as the policy sees a multi-turn rollout;
+  only the response's assistant turns (their text, tool calls and end-of-turn marker) are scored, never tool
+  results or headers (``crf_core.trainer.conversation``).
+* ``"flat"``: the prompt rendered from ``prompt_messages`` with the chat template when the tokenizer has one (else
+  the flat ``prompt``); responses are the flat strings followed by EOS (a tool call is the text ``name(args)``).
+* ``"auto"`` (the trainer's default): ``"chat"`` for a record with the three message lists when the chat template
+  renders tool calls and tool results (TRL's ``supports_tool_calling``), else ``"flat"``; a record the template
+  cannot render as a conversation (not prefix-preserving, or cut to nothing by ``max_length``) falls back to
+  ``"flat"`` with a warning, where ``"chat"`` raises.
 
 Order: every rank draws the same sequence of permutations of all pairs (one seeded generator); each micro-batch
 takes the next ``batch_size × world_size`` indices of that stream and rank ``r`` uses the ``r``-th slice, so the
@@ -15,23 +26,41 @@ current permutation, generator state) is checkpointed with the Trainer.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
 from crf_core._checks import is_int, is_number
 from crf_core.channels import SequenceBatch
+from crf_core.trainer.conversation import check_messages, render_conversation
 
 if TYPE_CHECKING:
     from crf_replaysim import LoadedPair
 
-__all__ = ["PairCursor", "PairRecord", "TokenizedPair", "check_pair_records", "collate_pairs", "tokenize_pairs"]
+__all__ = [
+    "PAIR_RENDERINGS",
+    "PairCursor",
+    "PairRecord",
+    "PairRendering",
+    "TokenizedPair",
+    "check_pair_records",
+    "collate_pairs",
+    "tokenize_pairs",
+]
+
+logger = logging.getLogger(__name__)
+
+PairRendering = Literal["auto", "chat", "flat"]
+"""How ``tokenize_pairs`` renders a record (see the module docstring)."""
+PAIR_RENDERINGS: tuple[PairRendering, ...] = get_args(PairRendering)
 
 _REQUIRED = ("prompt", "chosen", "rejected")
 _REFERENCES = ("ref_chosen_logps", "ref_rejected_logps")
+_MESSAGE_KEYS = ("prompt_messages", "chosen_messages", "rejected_messages")
 
 
 def _reference(index: int, key: str, value: Any) -> float | None:
@@ -40,14 +69,21 @@ def _reference(index: int, key: str, value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _is_tool_list(tools: Any) -> bool:
+    return isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+
+
 @dataclass(frozen=True)
 class PairRecord:
     """What tokenisation reads of one trace-replay pair.
 
     Attributes:
-        prompt, chosen, rejected: the flat texts (responses are trained as written, then EOS).
+        prompt, chosen, rejected: the flat texts (``"flat"`` rendering: responses are trained as written, then EOS).
         prompt_messages: the prompt as a chat list (rendered with the tokenizer's chat template), or None for a
             pair whose flat prompt is the text to train on (TRL's standard format).
+        chosen_messages, rejected_messages: the two actions as chat lists (assistant turns, tool calls and tool
+            results; ``"chat"`` rendering), or None.
+        tools: the trace's tool schemas, rendered with the conversation, or None.
         ref_chosen_logps, ref_rejected_logps: precomputed summed reference log-probs, or None.
 
     ``record["chosen"]`` and ``"prompt_messages" in record`` read it like the dict records it replaces.
@@ -59,20 +95,36 @@ class PairRecord:
     prompt_messages: list[dict[str, Any]] | None = None
     ref_chosen_logps: float | None = None
     ref_rejected_logps: float | None = None
+    chosen_messages: list[dict[str, Any]] | None = None
+    rejected_messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_loaded(cls, item: LoadedPair, index: int = 0) -> PairRecord:
-        """A pair crf-replaysim read (schema-checked there, so only the references riding in ``meta`` are checked
-        here): chat pairs keep their prompt messages, TRL standard rows train on the flat prompt."""
+        """A pair crf-replaysim read (schema-checked there, so only the references and the tool schemas riding in
+        ``meta`` are checked here): chat pairs keep their conversation (the three message lists and ``meta.tools``
+        when it is a list of schemas), TRL standard rows train on the flat prompt."""
         pair = item.pair
         refs = [_reference(index, key, pair.meta.get(key)) for key in _REFERENCES]
-        messages = pair.prompt_messages if item.chat else None
-        return cls(pair.prompt, pair.chosen, pair.rejected, messages, refs[0], refs[1])
+        if not item.chat:
+            return cls(pair.prompt, pair.chosen, pair.rejected, None, refs[0], refs[1])
+        tools = pair.meta.get("tools")
+        return cls(
+            pair.prompt,
+            pair.chosen,
+            pair.rejected,
+            pair.prompt_messages,
+            refs[0],
+            refs[1],
+            chosen_messages=pair.chosen_messages,
+            rejected_messages=pair.rejected_messages,
+            tools=tools if _is_tool_list(tools) else None,
+        )
 
     @classmethod
     def from_mapping(cls, record: Any, index: int = 0) -> PairRecord:
         """A record as crf-replaysim writes them (a mapping), checked: string prompt/chosen/rejected, finite
-        references."""
+        references, and when present the chat lists and ``tools``."""
         if not isinstance(record, Mapping):
             raise TypeError(f"pair record {index} is {type(record).__name__}, expected a mapping (a JSON object)")
         for key in _REQUIRED:
@@ -82,8 +134,25 @@ class PairRecord:
                     f"{type(record.get(key)).__name__}. Normalise the pairs with crf-replaysim first"
                 )
         refs = [_reference(index, key, record.get(key)) for key in _REFERENCES]
-        messages = record.get("prompt_messages")
-        return cls(record["prompt"], record["chosen"], record["rejected"], messages or None, refs[0], refs[1])
+        for key in _MESSAGE_KEYS:
+            if record.get(key) is not None:
+                check_messages(record[key], f"pair record {index}: {key}")
+        tools = record.get("tools")
+        if tools is not None and not _is_tool_list(tools):
+            raise ValueError(
+                f"pair record {index}: 'tools' must be a list of tool schemas (dicts), got {type(tools).__name__}"
+            )
+        return cls(
+            record["prompt"],
+            record["chosen"],
+            record["rejected"],
+            record.get("prompt_messages") or None,
+            refs[0],
+            refs[1],
+            chosen_messages=record.get("chosen_messages") or None,
+            rejected_messages=record.get("rejected_messages") or None,
+            tools=tools,
+        )
 
     def __getitem__(self, key: str) -> Any:
         if key not in self:
@@ -99,7 +168,8 @@ _FIELDS = frozenset(f.name for f in fields(PairRecord))
 
 def check_pair_records(records: Iterable[Any]) -> list[PairRecord]:
     """The :class:`PairRecord` of each item: a crf-replaysim ``LoadedPair`` as it is, a mapping checked once
-    (string prompt/chosen/rejected, finite references); at least one."""
+    (string prompt/chosen/rejected, finite references, and when present the chat lists and ``tools``); at least
+    one."""
     out = []
     for i, record in enumerate(records):
         if isinstance(record, PairRecord):
@@ -115,13 +185,16 @@ def check_pair_records(records: Iterable[Any]) -> list[PairRecord]:
 
 @dataclass(frozen=True)
 class TokenizedPair:
-    """Token ids of one pair: the shared prompt and the two responses (EOS included)."""
+    """Token ids of one pair: the shared prompt and the two responses (EOS included). ``chosen_mask`` /
+    ``rejected_mask`` (0/1 per response token) mark the tokens scored; ``None`` scores every response token."""
 
     prompt_ids: list[int]
     chosen_ids: list[int]
     rejected_ids: list[int]
     ref_chosen_logps: float | None = None
     ref_rejected_logps: float | None = None
+    chosen_mask: list[int] | None = None
+    rejected_mask: list[int] | None = None
 
 
 def _render_prompt(record: PairRecord, tokenizer: Any) -> str:
@@ -134,15 +207,38 @@ def _render_prompt(record: PairRecord, tokenizer: Any) -> str:
     return record.prompt
 
 
-def tokenize_pairs(records: Sequence[PairRecord], tokenizer: Any, max_length: int) -> list[TokenizedPair]:
-    """Tokenise records; prompt + response is cut to ``max_length`` (prompt from the left, response from the right)."""
+def tokenize_pairs(
+    records: Sequence[PairRecord], tokenizer: Any, max_length: int, render: PairRendering = "flat"
+) -> list[TokenizedPair]:
+    """Tokenise records (``render``: ``"chat"``, ``"flat"`` or ``"auto"``, see the module docstring); prompt + response
+    is cut to ``max_length`` (prompt from the left, response from the right)."""
     if not is_int(max_length) or max_length < 2:
         raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
+    if render not in PAIR_RENDERINGS:
+        raise ValueError(f"render must be one of {PAIR_RENDERINGS}, got {render!r}")
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id; set one so responses end like the policy's")
+    chat_capable = render == "chat" or (render == "auto" and _renders_tool_calls(tokenizer))
     out = []
-    for record in records:
+    chat = 0
+    unrendered: list[str] = []
+    for i, record in enumerate(records):
+        has_messages = all(isinstance(getattr(record, k), list) and getattr(record, k) for k in _MESSAGE_KEYS)
+        if render == "chat" and not has_messages:
+            raise ValueError(
+                f"pair record {i} lacks prompt_messages/chosen_messages/rejected_messages, which "
+                "trace_replay_render='chat' needs; use crf-replaysim's records or trace_replay_render='flat'"
+            )
+        if chat_capable and has_messages:
+            try:
+                out.append(_chat_pair(i, record, tokenizer, max_length))
+                chat += 1
+                continue
+            except ValueError as exc:
+                if render == "chat":
+                    raise
+                unrendered.append(str(exc))  # "auto": this record trains as flat text (warned below)
         prompt = list(tokenizer(_render_prompt(record, tokenizer))["input_ids"])
         sides = [
             [*tokenizer(text, add_special_tokens=False)["input_ids"], eos] for text in (record.chosen, record.rejected)
@@ -151,25 +247,86 @@ def tokenize_pairs(records: Sequence[PairRecord], tokenizer: Any, max_length: in
         prompt = prompt[-keep_prompt:]
         sides = [s[: max_length - len(prompt)] for s in sides]
         out.append(TokenizedPair(prompt, sides[0], sides[1], record.ref_chosen_logps, record.ref_rejected_logps))
+    if unrendered:
+        logger.warning(
+            "trace-replay pairs: %d record(s) could not be rendered as conversations and train as flat text (first: "
+            "%s); set trace_replay_render='chat' to make this an error, or 'flat' to silence it",
+            len(unrendered),
+            unrendered[0],
+        )
+    if render == "auto" and records:
+        logger.info("trace-replay pairs: %d rendered as conversations, %d as flat text", chat, len(out) - chat)
     return out
+
+
+def _renders_tool_calls(tokenizer: Any) -> bool:
+    """Whether the chat template renders tool calls and tool results (TRL's check), so a conversation survives."""
+    if not getattr(tokenizer, "chat_template", None) or not getattr(tokenizer, "is_fast", False):
+        return False
+    from trl.chat_template_utils import supports_tool_calling
+
+    return bool(supports_tool_calling(tokenizer))
+
+
+def _chat_pair(index: int, record: PairRecord, tokenizer: Any, max_length: int) -> TokenizedPair:
+    """One record rendered as two conversations sharing the context's tokens; the responses' assistant turns scored."""
+    context, chosen_turns, rejected_turns = record.prompt_messages, record.chosen_messages, record.rejected_messages
+    if not (context and chosen_turns and rejected_turns):
+        raise ValueError(f"pair record {index} lacks prompt_messages/chosen_messages/rejected_messages")
+    tools = record.tools
+    try:
+        chosen = render_conversation(tokenizer, context, chosen_turns, tools=tools)
+        rejected = render_conversation(tokenizer, context, rejected_turns, tools=tools)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"pair record {index}: {exc}") from exc
+    shared = 0  # the context's tokens, identical on both sides
+    limit = min(chosen.context_tokens, rejected.context_tokens)
+    while shared < limit and chosen.input_ids[shared] == rejected.input_ids[shared]:
+        shared += 1
+    prompt = list(chosen.input_ids[:shared])
+    sides = [list(chosen.input_ids[shared:]), list(rejected.input_ids[shared:])]
+    masks = [list(chosen.trained[shared:]), list(rejected.trained[shared:])]
+    keep_prompt = max(1, min(len(prompt), max_length - max(len(s) for s in sides)))
+    prompt = prompt[-keep_prompt:] if prompt else prompt
+    room = max_length - len(prompt)
+    sides, masks = [s[:room] for s in sides], [m[:room] for m in masks]
+    for name, mask in zip(("chosen", "rejected"), masks, strict=True):
+        if not any(mask):
+            raise ValueError(
+                f"pair record {index}: no {name} assistant token fits in trace_replay_max_length={max_length}; "
+                "raise the limit or shorten the record"
+            )
+    return TokenizedPair(
+        prompt,
+        sides[0],
+        sides[1],
+        record.ref_chosen_logps,
+        record.ref_rejected_logps,
+        chosen_mask=masks[0],
+        rejected_mask=masks[1],
+    )
 
 
 def collate_pairs(
     pairs: Sequence[TokenizedPair], pad_token_id: int, device: torch.device | str = "cpu"
 ) -> SequenceBatch:
-    """``2P`` right-padded rows, chosen ``[:P]`` then rejected ``[P:]``; ``response_mask`` marks the responses."""
+    """``2P`` right-padded rows, chosen ``[:P]`` then rejected ``[P:]``; ``response_mask`` marks the scored response
+    tokens (all of them, or a pair's ``chosen_mask``/``rejected_mask``)."""
     if not pairs:
         raise ValueError("collate_pairs needs at least one pair")
-    rows = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
-    length = max(len(a) + len(b) for a, b in rows)
+    rows = [(p.prompt_ids, p.chosen_ids, p.chosen_mask) for p in pairs]
+    rows += [(p.prompt_ids, p.rejected_ids, p.rejected_mask) for p in pairs]
+    length = max(len(a) + len(b) for a, b, _ in rows)
     ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
     attn = torch.zeros((len(rows), length), dtype=torch.long)
     resp = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, (prompt, response) in enumerate(rows):
+    for i, (prompt, response, scored) in enumerate(rows):
         n_p, n = len(prompt), len(prompt) + len(response)
+        if scored is not None and len(scored) != len(response):
+            raise ValueError(f"pair row {i}: the response mask has {len(scored)} entries for {len(response)} tokens")
         ids[i, :n] = torch.tensor(prompt + response, dtype=torch.long)
         attn[i, :n] = 1
-        resp[i, n_p:n] = 1
+        resp[i, n_p:n] = 1 if scored is None else torch.tensor(scored, dtype=torch.long)
     return SequenceBatch(ids.to(device), attn.to(device), resp.to(device))
 
 

@@ -25,7 +25,9 @@ parameter bytes of the model copies they hold (``crf_core.trainer.startup``).
 
 Data flow: ``_calculate_rewards`` is wrapped to keep each generation batch's prompts, completions and
 gathered rewards; reward functions report feedback through TRL's ``log_extra(sdpo_feedback_key, …)``,
-captured by the ``_log_completion_extra`` override; ``_generate_and_score_completions`` then adds
+captured by the ``_log_completion_extra`` override, and the environments of multi-turn rollouts
+(``environment_factory``) through their ``feedback`` attribute (``crf_core.trainer.episodes``);
+``_generate_and_score_completions`` then adds
 ``sdpo_teacher_prompt_ids``/``sdpo_teacher_prompt_mask`` ``(B, L)`` and ``sdpo_mask`` ``(B,)`` to the batch.
 
 State that outlives a step (EMA teacher, TAID schedule, pair cursor) is saved with every checkpoint, with the
@@ -73,6 +75,7 @@ from crf_core.trainer._trl_contract import (
     check_trl_contract,
 )
 from crf_core.trainer.config import ComposerConfig
+from crf_core.trainer.episodes import environment_feedback
 from crf_core.trainer.pairs import (
     PairCursor,
     PairRecord,
@@ -351,10 +354,14 @@ class ComposerReplicationTrainer(GRPOTrainer):
         return output
 
     def _local_feedback(self, n: int) -> list[str | None] | None:
-        if not self._feedback_calls:
+        calls = list(self._feedback_calls)
+        episode = environment_feedback(getattr(self, "environments", None), n)  # multi-turn rollouts' environments
+        if episode is not None:
+            calls.append(episode)
+        if not calls:
             return None
         merged: list[str | None] = [None] * n
-        for values in self._feedback_calls:
+        for values in calls:
             if len(values) != n:
                 raise ValueError(
                     f"a reward function logged {len(values)} '{self.composer_args.sdpo_feedback_key}' values for "
@@ -565,9 +572,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
             teacher_attention_mask=torch.cat([inputs["sdpo_teacher_prompt_mask"], completion_mask], dim=1),
             old_logprobs=inputs.get("old_per_token_logps"),
             taid_t=None if self.taid_schedule is None else self.taid_schedule.t,
+            weights=token_mask * signal[:, None],
+            truncate_below=self.sdpo.config.truncate_below,
         )
-        weights = token_mask * signal[:, None]
-        return _SDPOStep(partial(self.sdpo.term_at, targets, weights), weights)
+        assert targets.weights is not None
+        return _SDPOStep(partial(self.sdpo.term_at, targets, targets.weights), targets.weights)
 
     def teacher_states(
         self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -628,7 +637,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         records = _read_pairs(source, strict=cfg.trace_replay_strict)
         tokenizer = getattr(self._processor, "tokenizer", self._processor)
-        self._pairs = tokenize_pairs(records, tokenizer, cfg.trace_replay_max_length)
+        self._pairs = tokenize_pairs(records, tokenizer, cfg.trace_replay_max_length, cfg.trace_replay_render)
         self.pair_cursor = PairCursor(
             len(self._pairs),
             cfg.trace_replay_batch_size,
