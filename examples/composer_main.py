@@ -186,8 +186,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="EMA rate of SDPO's self-teacher after each step: 0 (the job's choice) keeps the warm-started policy, "
              "frozen (TRL's teacher_model_kind='base'; an EMA teacher feeds forward KL's spread back to the student); "
              "0.05 is SDPO's EMA; 1 the live policy")  # fmt: skip
-    add("--sdpo-routing", choices=("all", "srpo"), default="all",
-        help="srpo: successful rollouts train through GRPO only, failed ones through SDPO only (arXiv 2604.02288)")  # fmt: skip
+    add("--sdpo-routing", choices=("all", "srpo", "failures"), default="all",
+        help="srpo: successful rollouts train through GRPO only, failed ones through SDPO only (arXiv 2604.02288); "
+             "failures: SDPO on failed rollouts only, GRPO on all")  # fmt: skip
     add("--sdpo-group-weight", choices=("uniform", "success_variance"), default="uniform",
         help="success_variance: weigh each question's SDPO term by sqrt(p(1-p)) (SC-SDPO, arXiv 2605.27765)")  # fmt: skip
     add("--trainer", choices=TRAINERS, default="crf",

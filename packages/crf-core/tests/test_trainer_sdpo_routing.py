@@ -25,6 +25,9 @@ def _reference(rewards: list[float], g: int, threshold: float, routing: str, wei
             if routing == "srpo":
                 weights.append(0.0 if success else w)
                 kept.append(success)
+            elif routing == "failures":
+                weights.append(0.0 if success else w)
+                kept.append(True)
             else:
                 weights.append(w)
                 kept.append(True)

@@ -186,7 +186,7 @@ class ComposerConfig(GRPOConfig):
         metadata={
             "help": "'all': SDPO on every rollout with a teacher signal, GRPO on every rollout (SDPO); 'srpo': "
             "successful rollouts train through GRPO only and failed ones through SDPO only (their GRPO advantage "
-            "is 0), SRPO arXiv 2604.02288."
+            "is 0), SRPO arXiv 2604.02288; 'failures': SDPO on failed rollouts only, GRPO on every rollout (crf)."
         },
     )
     sdpo_group_weight: SDPOGroupWeight = field(

@@ -12,6 +12,10 @@ the reprompts use. A rollout *succeeds* when its total reward is ≥ the thresho
   share of its group's rollouts that succeed, so questions the policy always or never solves weigh 0 and
   those at ``p = ½`` weigh ½. The weights scale the per-token losses; the token mean divides by the tokens
   of the rollouts whose weight is not 0, so the weights rank questions rather than shrink the whole term.
+* **failures** (crf): SDPO on failed rollouts only, GRPO on every rollout. A successful rollout's self-teacher
+  reads a peer's correct answer and can only pull it toward the teacher's own, possibly worse, rendering of
+  that answer (measured with a frozen teacher in the main job: docs/guide.md); a failed one is where the
+  teacher knows more than the student.
 
 ``weights`` multiply the reprompts' signal mask (1 where the self-teacher saw a demonstration or feedback).
 """
@@ -25,9 +29,9 @@ from typing import Literal, get_args
 
 __all__ = ["SDPO_GROUP_WEIGHTS", "SDPO_ROUTINGS", "SDPOGroupWeight", "SDPORouting", "SampleRouting", "route_samples"]
 
-SDPORouting = Literal["all", "srpo"]
+SDPORouting = Literal["all", "srpo", "failures"]
 """``all``: every rollout with a teacher signal trains through SDPO (and every rollout through GRPO), as in
-SDPO; ``srpo``: SRPO's routing (see the module docstring)."""
+SDPO; ``srpo``: SRPO's routing; ``failures``: SDPO on failed rollouts only (see the module docstring)."""
 SDPO_ROUTINGS: tuple[str, ...] = get_args(SDPORouting)
 
 SDPOGroupWeight = Literal["uniform", "success_variance"]
@@ -64,8 +68,9 @@ def route_samples(
         for start in range(0, n, num_generations):
             p = sum(success[start : start + num_generations]) / num_generations
             weight[start : start + num_generations] = [math.sqrt(p * (1.0 - p))] * num_generations
-    if routing == "srpo":
+    if routing in ("srpo", "failures"):
         weight = [0.0 if s else w for s, w in zip(success, weight, strict=True)]
+    if routing == "srpo":
         kept = tuple(success)
     else:
         kept = (True,) * n
