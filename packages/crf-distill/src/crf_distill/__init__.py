@@ -15,8 +15,22 @@ from crf_distill.chunked import (
 )
 from crf_distill.dpo import DPO_LOSS_TYPES, dpo_loss
 from crf_distill.entropy_opd import entropy_opd_loss, entropy_opd_per_token, teacher_entropy_gate, token_entropy
-from crf_distill.head_scores import HeadScores, RowTerm, head_logits, head_scores, logit_scores
-from crf_distill.jsd import generalized_jsd, generalized_jsd_per_token, is_ratio_weight
+from crf_distill.head_scores import (
+    HeadScores,
+    RowSupport,
+    RowTerm,
+    head_logits,
+    head_logits_at,
+    head_scores,
+    logit_scores,
+)
+from crf_distill.jsd import (
+    generalized_jsd,
+    generalized_jsd_on_support,
+    generalized_jsd_per_token,
+    is_ratio_weight,
+    top_k_ids,
+)
 from crf_distill.kl import forward_kl, forward_kl_per_token, reverse_kl, reverse_kl_per_token
 from crf_distill.logprobs import avg_sequence_logprob, sequence_logprob, token_logprobs
 from crf_distill.simpo import simpo_loss
@@ -27,6 +41,7 @@ __all__ = [
     "Aggregation",
     "ChunkTerm",
     "HeadScores",
+    "RowSupport",
     "RowTerm",
     "TAIDSchedule",
     "__version__",
@@ -42,8 +57,10 @@ __all__ = [
     "forward_kl",
     "forward_kl_per_token",
     "generalized_jsd",
+    "generalized_jsd_on_support",
     "generalized_jsd_per_token",
     "head_logits",
+    "head_logits_at",
     "head_scores",
     "is_ratio_weight",
     "logit_scores",
@@ -58,4 +75,5 @@ __all__ = [
     "teacher_entropy_gate",
     "token_entropy",
     "token_logprobs",
+    "top_k_ids",
 ]

@@ -28,13 +28,22 @@ from typing import Any, Literal
 
 import torch
 
-from crf_distill import HeadScores, RowTerm, chunked_weighted_sums, head_logits, head_scores, logit_scores
+from crf_distill import (
+    HeadScores,
+    RowTerm,
+    chunked_weighted_sums,
+    head_logits,
+    head_logits_at,
+    head_scores,
+    logit_scores,
+)
 
 __all__ = [
     "ChunkPlan",
     "HeadPrecision",
     "HeadStates",
     "LMHead",
+    "RowLogits",
     "RowSource",
     "hidden_source",
     "logits_source",
@@ -46,7 +55,8 @@ MIB = 1 << 20
 ChunkMode = Literal["auto", "on", "off"]
 
 RowSource = Callable[[torch.Tensor], torch.Tensor]
-"""``source(rows (n,) long) -> (n, V)`` logits for rows of a scored layout (no grad), e.g. a teacher's."""
+"""``source(rows (n,) long) -> (n, V)`` logits for rows of a scored layout (no grad), e.g. a teacher's. The sources
+of :func:`hidden_source` and :func:`logits_source` are :class:`RowLogits`, which also read log-probs at given ids."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +292,13 @@ class LMHead:
         with torch.no_grad(), self.precision.autocast():
             return head_logits(rows, self.weight, self.bias, self.temperature, precision=self.precision.head_dtype)
 
+    def project_at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`project` at ``ids`` ``(n, k)`` only: no-grad ``(n, k)`` logits, without the ``(n, V)`` product."""
+        with torch.no_grad(), self.precision.autocast():
+            return head_logits_at(
+                rows, self.weight, ids, self.bias, self.temperature, precision=self.precision.head_dtype
+            )
+
 
 def mean_weights(mask: torch.Tensor) -> torch.Tensor:
     """``m / Σ m`` as float32 (float64 stays), 0 everywhere when ``Σ m = 0``: the weights of a token mean."""
@@ -310,15 +327,90 @@ def _forward_replaced(module: torch.nn.Module, fn: Callable[..., torch.Tensor]) 
             del instance["forward"]
 
 
-def logits_source(logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowSource:
-    """A :data:`RowSource` over precomputed ``(M, V)`` logits; ``index`` maps scored rows to their rows."""
-    fixed = logits.detach()
-    return lambda rows: fixed[index(rows)]
+class RowLogits:
+    """A :data:`RowSource` over ``M`` fixed rows (no grad) that also gives full-vocabulary log-probs at a few ids.
+
+    ``source(rows)`` is ``(n, V)`` logits ``z`` of the rows ``index(rows)``; ``source.logprobs_at(rows, ids)`` is
+    ``z[ids] − logsumexp(z)`` ``(n, k)``, read without the ``(n, V)`` logits: ``logsumexp`` of every row is computed
+    once (:meth:`log_normaliser`, chunked like the head) and the logits at ``ids`` directly. What a top-k divergence
+    needs of its teacher.
+    """
+
+    def __init__(
+        self, count: int, index: Callable[[torch.Tensor], torch.Tensor], chunk: int | None, device: torch.device
+    ) -> None:
+        self.count = count
+        self.index = index
+        self.device = device
+        self._chunk = chunk or max(count, 1)
+        self._lse: torch.Tensor | None = None
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._logits(self.index(rows))
+
+    def logprobs_at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``(n, k)`` log-probs of the vocabulary ids ``ids`` ``(n, k)`` in the rows ``index(rows)``."""
+        own = self.index(rows)
+        return self._logits_at(own, ids) - self.log_normaliser()[own].unsqueeze(-1)
+
+    def log_normaliser(self) -> torch.Tensor:
+        """``logsumexp`` of the logits of each of the ``M`` rows ``(M,)``, computed on first use."""
+        if self._lse is None:
+            parts = [
+                torch.logsumexp(self._logits(torch.arange(i, min(i + self._chunk, self.count), device=self.device)), dim=-1)
+                for i in range(0, self.count, self._chunk)
+            ]
+            self._lse = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        return self._lse
+
+    def _logits(self, own: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _logits_at(self, own: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def hidden_source(head: LMHead, hidden: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowSource:
-    """A :data:`RowSource` projecting ``(M, H)`` states (or ``(M, V)`` logits of a non-separable model) on demand."""
-    fixed = hidden.detach()
+class _FixedLogits(RowLogits):
+    """Rows of precomputed ``(M, V)`` logits, divided by ``scale``."""
+
+    def __init__(self, logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor], scale: float) -> None:
+        super().__init__(
+            logits.shape[0], index, ChunkPlan().rows(logits.shape[0], logits.shape[-1]), logits.device
+        )
+        self.logits = logits.detach()
+        self.scale = scale
+
+    def _logits(self, own: torch.Tensor) -> torch.Tensor:
+        rows = self.logits[own.to(self.logits.device)]
+        return rows if self.scale == 1.0 else rows / self.scale
+
+    def _logits_at(self, own: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        at = self.logits[own.to(self.logits.device).unsqueeze(-1), ids]
+        return at if self.scale == 1.0 else at / self.scale
+
+
+class _ProjectedRows(RowLogits):
+    """Rows of ``(M, H)`` decoder states, projected through a head on demand."""
+
+    def __init__(self, head: LMHead, hidden: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(hidden.shape[0], index, head.plan.rows(hidden.shape[0], head.weight.shape[0]), hidden.device)
+        self.head = head
+        self.hidden = hidden.detach()
+
+    def _logits(self, own: torch.Tensor) -> torch.Tensor:
+        return self.head.project(self.hidden[own])
+
+    def _logits_at(self, own: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.project_at(self.hidden[own], ids)
+
+
+def logits_source(logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowLogits:
+    """A :class:`RowLogits` over precomputed ``(M, V)`` logits; ``index`` maps scored rows to their rows."""
+    return _FixedLogits(logits, index, 1.0)
+
+
+def hidden_source(head: LMHead, hidden: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowLogits:
+    """A :class:`RowLogits` projecting ``(M, H)`` states (or ``(M, V)`` logits of a non-separable model) on demand."""
     if not head.separable:
-        return lambda rows: fixed[index(rows)] / head.temperature
-    return lambda rows: head.project(fixed[index(rows)])
+        return _FixedLogits(hidden, index, head.temperature)
+    return _ProjectedRows(head, hidden, index)

@@ -19,6 +19,12 @@ under no-grad on ``[reprompt ; completion]``), both at the sampling temperature:
 The channel is one :class:`~crf_distill.RowTerm` (``D·w`` per row) scored in the same LM-head pass as the
 student's other rows (see ``crf_core.channels.head``), so it never needs its own ``(B, C, V)`` logits, then a
 token mean. Used unchanged by ``compose_loss`` and by ``ComposerReplicationTrainer``.
+
+With top-k (no wrapper) and a teacher that is a :class:`~crf_core.channels.head.RowLogits`, the term also comes in
+support form (:class:`~crf_distill.RowSupport`): ``D`` reads the student at its top-k ids (and the label, for the
+IS weight) plus its log-normaliser, and the teacher's log-probs there, ``z_T[ids] − logsumexp(z_T)``, from the
+teacher's log-normaliser (one no-grad pass) and its logits at those ids; no ``(n, V)`` teacher logits and no
+second student softmax exist, and the chunked backward reuses the forward's ids. Same value, same gradient.
 """
 
 from __future__ import annotations
@@ -30,14 +36,17 @@ from typing import Literal
 import torch
 
 from crf_core.channels._validate import check_choice, check_number, check_optional_int, check_unit
-from crf_core.channels.head import RowSource
+from crf_core.channels.head import RowLogits, RowSource
 from crf_distill import (
+    RowSupport,
     RowTerm,
     entropy_opd_per_token,
+    generalized_jsd_on_support,
     generalized_jsd_per_token,
     is_ratio_weight,
     taid_target_logprobs,
     token_logprobs,
+    top_k_ids,
 )
 
 __all__ = ["SDPO_WRAPPERS", "SDPOChannel", "SDPOConfig", "SDPOTargets"]
@@ -175,4 +184,35 @@ class SDPOChannel:
                 )
             return generalized_jsd_per_token(student, target, alpha=cfg.alpha, top_k=cfg.top_k, add_tail=cfg.add_tail)
 
-        return RowTerm(per_row, active=active)
+        return RowTerm(per_row, active=active, support=self._support(targets))
+
+    def _support(self, targets: SDPOTargets) -> RowSupport | None:
+        """The term in support form (see the module docstring), where it has one: top-k, no wrapper, a
+        :class:`RowLogits` teacher."""
+        cfg = self.config
+        teacher = targets.teacher
+        if cfg.wrapper is not None or cfg.top_k is None or not isinstance(teacher, RowLogits):
+            return None
+        k, clip, old, labels = cfg.top_k, cfg.is_clip, targets.old_logprobs, targets.labels
+        weighted = clip is not None and old is not None  # the IS weight reads the label's log-prob too
+
+        def ids(student: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            top = top_k_ids(student, k)
+            if not weighted:
+                return top
+            assert labels is not None
+            return torch.cat([top, labels[rows].unsqueeze(-1).to(top.device)], dim=-1)
+
+        def per_row(values: torch.Tensor, lse: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            student = values[:, :k] - lse.unsqueeze(-1)
+            value = generalized_jsd_on_support(
+                student, teacher.logprobs_at(rows, at[:, :k]), alpha=cfg.alpha, add_tail=cfg.add_tail
+            )
+            if clip is None:
+                return value
+            if old is None:  # on-policy: π_θ/π_old = 1
+                return value * min(1.0, clip)
+            lp = values[:, k] - lse
+            return value * is_ratio_weight(lp, old[rows].to(lp.dtype), clip)
+
+        return RowSupport(ids, per_row)
