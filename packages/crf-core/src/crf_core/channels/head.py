@@ -17,6 +17,15 @@ Mixed precision is a :class:`HeadPrecision`: every pass (decoder, head, teacher 
 decoder runs in autocast and the head product in bf16 with a float32 log-softmax; ``head_dtype=torch.float32`` is
 TRL's ``cast_lm_head_to_fp32`` (the product in float32, autocast off). The numerics are those of
 ``crf_distill.precision``; without autocast (``bf16=False``) nothing changes.
+
+Sharded models (FSDP2, ``torch.distributed.fsdp.fully_shard`` as accelerate applies it): the head reads
+``lm_head.weight`` directly, which FSDP2 holds as a sharded ``DTensor`` outside the model's forward. So
+:meth:`LMHead.run` runs the decoder *and* the scoring inside the root module's forward (its hooks gather every
+unit's parameters, the head's included, as TRL 1.16's fused head does): the scores are the forward's outputs, so
+FSDP2's pre-backward hooks re-gather the head before the chunked backward recomputes with it, and its gradient
+lands on the gathered parameter that FSDP2 reduce-scatters. Outside a forward, a still-sharded head is gathered
+once per :class:`LMHead` (``full_tensor``) for no-grad use (a sharded teacher's projections); with grad that is an
+error, since the gradient would bypass FSDP2's reduction.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -53,6 +62,7 @@ __all__ = [
 
 MIB = 1 << 20
 ChunkMode = Literal["auto", "on", "off"]
+T = TypeVar("T")
 
 RowSource = Callable[[torch.Tensor], torch.Tensor]
 """``source(rows (n,) long) -> (n, V)`` logits for rows of a scored layout (no grad), e.g. a teacher's. The sources
@@ -130,6 +140,33 @@ class HeadStates:
     is_logits: bool
 
 
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` applied to it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _module_type(module: Any) -> type:
+    """The module's own class: FSDP2 swaps in a subclass ``FSDP<Name>(FSDPModule, <Name>)``; this is ``<Name>``."""
+    cls = type(module)
+    if not is_sharded(module):
+        return cls
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+
+
 def _separation(causal_lm: Any) -> tuple[Any, torch.nn.Linear | None, str | None]:
     """``(decoder, head, None)`` or ``(None, None, reason)`` for a causal LM."""
     get_head = getattr(causal_lm, "get_output_embeddings", None)
@@ -137,8 +174,9 @@ def _separation(causal_lm: Any) -> tuple[Any, torch.nn.Linear | None, str | None
     head = get_head() if callable(get_head) else None
     if not callable(get_decoder) or head is None:
         return None, None, "the model has no get_decoder()/get_output_embeddings() (not a Hugging Face causal LM)"
-    if type(head) is not torch.nn.Linear:
-        return None, None, f"its lm_head is a {type(head).__name__}, not a plain nn.Linear (e.g. a PEFT adapter on it)"
+    if _module_type(head) is not torch.nn.Linear:
+        kind = _module_type(head).__name__
+        return None, None, f"its lm_head is a {kind}, not a plain nn.Linear (e.g. a PEFT adapter on it)"
     config: Any = getattr(causal_lm, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "final_logit_softcapping", None) is not None:
@@ -182,6 +220,8 @@ class LMHead:
         get_base = getattr(self.inner, "get_base_model", None)  # PEFT
         self.causal_lm = get_base() if callable(get_base) else self.inner
         self.decoder, self._head, self.reason = _separation(self.causal_lm)
+        self.sharded = is_sharded(self.inner) or is_sharded(self.causal_lm)
+        self._gathered: dict[str, torch.Tensor] = {}
 
     @property
     def separable(self) -> bool:
@@ -190,13 +230,57 @@ class LMHead:
 
     @property
     def weight(self) -> torch.Tensor:
+        """The head's ``(V, H)`` weight: the parameter itself, or (sharded, outside a forward) its gathered copy."""
         assert self._head is not None, self.reason
-        return self._head.weight
+        return self._unsharded("weight", self._head.weight)
 
     @property
     def bias(self) -> torch.Tensor | None:
         assert self._head is not None, self.reason
-        return self._head.bias
+        bias = self._head.bias
+        return None if bias is None else self._unsharded("bias", bias)
+
+    def _unsharded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or for a sharded ``DTensor`` its full value, gathered once (no grad; see the module docstring)."""
+        if not _is_dtensor(tensor):
+            return tensor
+        if torch.is_grad_enabled() and tensor.requires_grad:
+            raise RuntimeError(
+                f"the LM head's {name} is still sharded (an FSDP2 DTensor) where the chunked head reads it with grad: "
+                "score through LMHead.run, which runs inside the model's forward where FSDP2 gathers it; if the "
+                "lm_head is an FSDP unit of its own, shard it together with the final norm "
+                "(fully_shard([norm, lm_head]), as accelerate's FSDP2 preparation does) or with the root"
+            )
+        if name not in self._gathered:
+            with torch.no_grad():
+                self._gathered[name] = tensor.full_tensor()
+        return self._gathered[name]
+
+    def gather(self) -> None:
+        """Gather a sharded head's weight and bias now (a collective: every rank must call it at the same point)."""
+        if self.separable:
+            _ = self.weight, self.bias
+
+    def run(self, fn: Callable[[HeadStates], T], input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> T:
+        """``fn(self.states(input_ids, attention_mask))``: score what the model produced for ``(B, T)`` tokens.
+
+        For a sharded model ``fn`` runs inside the model's forward, after the decoder (see the module docstring);
+        its result (tensors, or tuples/dicts/dataclasses of them) is the forward's output.
+        """
+        if not self.sharded:
+            return fn(self.states(input_ids, attention_mask))
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor | None) -> T:
+            with self.precision.autocast():
+                if self.separable:
+                    states = HeadStates(self._decoder_states(ids, mask), is_logits=False)
+                else:
+                    states = HeadStates(self._full_logits(ids, mask), is_logits=True)
+            return fn(states)
+
+        with _forward_replaced(self.inner, forward):
+            out: T = self.model(input_ids, attention_mask)
+        return out
 
     def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> HeadStates:
         """Run the model on ``(B, T)`` tokens: decoder states if the head is separable, else full logits."""
@@ -218,8 +302,9 @@ class LMHead:
         return logits
 
     def _call(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-        """``fn(*args)``, entered through the wrapper's forward when the model is wrapped (DDP)."""
-        if self.model is self.inner:
+        """``fn(*args)``, entered through the wrapper's forward when the model is wrapped (DDP) or sharded (FSDP2:
+        the root's hooks gather the parameters)."""
+        if self.model is self.inner and not self.sharded:
             return fn(*args)
         with _forward_replaced(self.inner, fn):
             out: torch.Tensor = self.model(*args)
@@ -313,7 +398,7 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _forward_replaced(module: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> Iterator[None]:
+def _forward_replaced(module: torch.nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
     """Make ``module(...)`` run ``fn`` for the duration (an instance-level forward, restored afterwards)."""
     instance = module.__dict__
     had, previous = "forward" in instance, instance.get("forward")

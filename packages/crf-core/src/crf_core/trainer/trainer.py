@@ -65,6 +65,7 @@ from crf_core.channels import (
     score_completions,
     token_mean,
 )
+from crf_core.channels.head import is_sharded
 from crf_core.trainer._trl_contract import (
     GENERATION_OUTPUT_KEYS,
     TRLContractError,
@@ -116,8 +117,12 @@ class _ChannelStep(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer.sdpo_teacher is not None:
-            self.trainer.sdpo_teacher.synchronise()
+        teacher = self.trainer.sdpo_teacher
+        if teacher is not None:
+            teacher.synchronise()
+            policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            if isinstance(teacher, EmaTeacher) and is_sharded(policy):  # FSDP2: shard it like the policy
+                teacher.shard(self.trainer.accelerator)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
@@ -160,6 +165,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_trainer_attributes(self)
+        self._check_sharding(args)
         self.composer_args: ComposerConfig = args
         self._chunk_plan = args.chunk_plan()
         # TRL's regime for every forward of every channel: the accelerator's autocast, cast_lm_head_to_fp32 honoured
@@ -194,6 +200,24 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.channel_costs, off = self._channel_costs()
         if self.accelerator.is_main_process:
             logger.info(startup_line(self.channel_costs, off))
+
+    def _check_sharding(self, args: ComposerConfig) -> None:
+        """FSDP2 is supported (the chunked head gathers the sharded LM head; see ``crf_core.channels.head``); FSDP1,
+        and an adapter EMA teacher under FSDP2, are refused."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is None:
+            return
+        if plugin.fsdp_version != 2:
+            raise ValueError(
+                f"ComposerReplicationTrainer supports FSDP2, not FSDP{plugin.fsdp_version}: its chunked LM head reads "
+                "the head weight, which FSDP1 flattens; set fsdp_version: 2 in the accelerate config "
+                "(fsdp_config.fsdp_version=2)"
+            )
+        if args.sdpo_weight > 0 and args.sdpo_teacher == "ema" and is_peft_model(self.accelerator.unwrap_model(self.model)):
+            raise ValueError(
+                "a PEFT policy's EMA self-teacher (the adapter's EMA swapped into the policy) cannot run under FSDP2, "
+                "which shards the adapter; use sdpo_teacher='live', or DDP for a PEFT run"
+            )
 
     def _channel_costs(self) -> tuple[list[ChannelCost], list[str]]:
         """The channels that are on, with the model copy each holds (its parameter bytes), and those that are off."""
@@ -536,6 +560,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 raise KeyError(f"the batch has no {key!r}: it was not produced by ComposerReplicationTrainer")
         signal = inputs["sdpo_mask"] > 0
         if not bool(signal.any()):
+            if self.is_fsdp_enabled:  # the teacher's forward gathers sharded weights: every rank must run it
+                ids = torch.cat([inputs["sdpo_teacher_prompt_ids"][:1], inputs["completion_ids"][:1]], dim=1)
+                mask = torch.cat([inputs["sdpo_teacher_prompt_mask"][:1], inputs["completion_mask"][:1]], dim=1)
+                self.teacher_states(model, ids, mask)
             return None
         rows = signal.nonzero(as_tuple=True)[0]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -583,7 +611,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         with context as teacher_model, torch.no_grad():
             # Under PEFT the head is the frozen base's (AdapterEmaTeacher checks), so it may project later.
             teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature, precision=self._precision)
-            return teacher, teacher.states(input_ids, attention_mask)
+            states = teacher.states(input_ids, attention_mask)
+            teacher.gather()  # a sharded teacher's head, gathered here on every rank (it projects later, lazily)
+            return teacher, states
 
     def _sdpo_loss(self, model: Any, inputs: Mapping[str, Any], shared: _SharedSDPO, weights: torch.Tensor) -> Any:
         assert self.sdpo is not None
@@ -800,11 +830,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
+        state = self.channel_state()  # on every rank: a sharded EMA teacher gathers its state (a collective)
         if self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
-            self.channel_state().save(folder)
+            state.save(folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
