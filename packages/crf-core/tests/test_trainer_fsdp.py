@@ -62,11 +62,14 @@ def _compare(out: Path, atol: float) -> None:
     for record in ranks:  # the run was really sharded, by accelerate's FSDP2, and scored by crf's chunked head
         assert record["distributed_type"] == "DistributedType.FSDP"
         assert record["world"] == 2
-        assert record["sharded"] and record["head_weight_type"] == "DTensor"
+        assert record["sharded"]
+        assert record["head_weight_type"] == "DTensor"
         assert record["teacher_sharded"]
-        assert record["separable"] and record["warnings"] == []
+        assert record["separable"]
+        assert record["warnings"] == []
         assert record["logs"] == ranks[0]["logs"]
-    assert not single["sharded"] and single["world"] == 1
+    assert not single["sharded"]
+    assert single["world"] == 1
     # equal token counts per rank (so per-rank token means average to the global mean): all samples signalled
     assert all(v == 1.0 for step in single["sdpo_masks"] for v in step)
     assert len(single["logs"]) == len(ranks[0]["logs"]) == 3
@@ -74,7 +77,8 @@ def _compare(out: Path, atol: float) -> None:
         assert set(want) == {"loss", "grpo", "sdpo_jsd", "trace_replay_dpo"}
         for name, value in want.items():
             assert got[name] == pytest.approx(value, rel=atol, abs=atol), (name, want, got)
-        assert want["sdpo_jsd"] > 0 and want["trace_replay_dpo"] > 0
+        assert want["sdpo_jsd"] > 0
+        assert want["trace_replay_dpo"] > 0
     a = torch.load(out / "single-weights.pt")
     b = torch.load(out / "fsdp-weights.pt")
     for part in ("policy", "teacher"):

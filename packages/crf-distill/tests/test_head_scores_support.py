@@ -66,7 +66,8 @@ def test_support_form_equals_the_dense_term(gen, rand, chunk_size, temperature, 
     kwargs = {"bias": bias, "entropy": True, "temperature": temperature}
     got = head_scores(hidden, weight, labels, terms=[term], chunk_size=chunk_size, **kwargs)
     want = head_scores(hidden, weight, labels, terms=[RowTerm(term.fn, active=active)], **kwargs)  # dense
-    assert got.entropy is not None and want.entropy is not None
+    assert got.entropy is not None
+    assert want.entropy is not None
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-12)
     torch.testing.assert_close(got.values[0], want.values[0], rtol=0, atol=1e-12)
     if active is not None:
@@ -150,7 +151,7 @@ def test_generalized_jsd_on_support_is_the_top_k_divergence(gen, rand) -> None: 
 
 
 def test_bad_support_inputs_name_the_problem(gen, rand) -> None:  # type: ignore[no-untyped-def]
-    hidden, weight, bias, labels, teacher = _setup(gen, rand)
+    hidden, weight, _, labels, _ = _setup(gen, rand)
     with pytest.raises(ValueError, match="top_k"):
         top_k_ids(hidden, V + 1)
     with pytest.raises(ValueError, match="student's shape"):
@@ -158,7 +159,8 @@ def test_bad_support_inputs_name_the_problem(gen, rand) -> None:  # type: ignore
     with pytest.raises(ValueError, match=r"\(n=23, k\) torch.long"):
         head_logits_at(hidden, weight, torch.zeros(N, K, dtype=torch.int32))
     bad = RowTerm(
-        lambda z, rows: z.sum(-1), support=RowSupport(lambda z, rows: torch.zeros(3, 2, dtype=torch.long), lambda *a: a[1])
+        lambda z, rows: z.sum(-1),
+        support=RowSupport(lambda z, rows: torch.zeros(3, 2, dtype=torch.long), lambda *a: a[1]),
     )
     with pytest.raises(ValueError, match="support ids"):
         head_scores(hidden, weight, labels, terms=[bad], chunk_size=4)

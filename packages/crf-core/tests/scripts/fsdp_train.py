@@ -33,7 +33,12 @@ GROUP = 4  # rollouts per prompt (one group per rank in the sharded run)
 LOCAL = 4  # samples per rank in the sharded run; the reference holds both ranks' 8
 COMPLETION = 8
 STEPS = 3
-PROMPTS = ["def add(a, b):\n    return", "def sub(a, b):\n    return", "def neg(x):\n    return", "def sq(x):\n    return"]
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "def sub(a, b):\n    return",
+    "def neg(x):\n    return",
+    "def sq(x):\n    return",
+]
 PAIRS = [{"prompt": f"def f{i}(x):\n    return", "chosen": f" x + {i}", "rejected": f" x - {i}"} for i in range(8)]
 
 

@@ -253,7 +253,7 @@ class LMHead:
             )
         if name not in self._gathered:
             with torch.no_grad():
-                self._gathered[name] = tensor.full_tensor()
+                self._gathered[name] = tensor.full_tensor()  # type: ignore[attr-defined]
         return self._gathered[name]
 
     def gather(self) -> None:
@@ -442,7 +442,9 @@ class RowLogits:
         """``logsumexp`` of the logits of each of the ``M`` rows ``(M,)``, computed on first use."""
         if self._lse is None:
             parts = [
-                torch.logsumexp(self._logits(torch.arange(i, min(i + self._chunk, self.count), device=self.device)), dim=-1)
+                torch.logsumexp(
+                    self._logits(torch.arange(i, min(i + self._chunk, self.count), device=self.device)), dim=-1
+                )
                 for i in range(0, self.count, self._chunk)
             ]
             self._lse = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
@@ -459,9 +461,7 @@ class _FixedLogits(RowLogits):
     """Rows of precomputed ``(M, V)`` logits, divided by ``scale``."""
 
     def __init__(self, logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor], scale: float) -> None:
-        super().__init__(
-            logits.shape[0], index, ChunkPlan().rows(logits.shape[0], logits.shape[-1]), logits.device
-        )
+        super().__init__(logits.shape[0], index, ChunkPlan().rows(logits.shape[0], logits.shape[-1]), logits.device)
         self.logits = logits.detach()
         self.scale = scale
 

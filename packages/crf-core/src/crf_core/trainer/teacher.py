@@ -120,7 +120,8 @@ class EmaTeacher:
             raise ValueError("EmaTeacher.shard needs an accelerator with an FSDP2 plugin (fsdp_version=2)")
         from trl.models import prepare_fsdp
 
-        self.module = prepare_fsdp(self.module, accelerator)
+        prepared: Any = prepare_fsdp(self.module, accelerator)
+        self.module = prepared
         self.sharded = True
 
     @contextmanager
@@ -134,7 +135,7 @@ class EmaTeacher:
         collective every rank must join."""
         self._reshard()
         return {
-            k: v.full_tensor() if _is_dtensor(v) else v.detach().clone()  # type: ignore[attr-defined]
+            k: (v.full_tensor() if _is_dtensor(v) else v).detach().clone()
             for k, v in self.module.state_dict().items()
         }
 
@@ -152,7 +153,7 @@ class EmaTeacher:
         for name, value in state.items():
             target = own[name]
             if _is_dtensor(target):
-                value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements)  # type: ignore[attr-defined]
+                value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
             target.copy_(value)
 
     @torch.no_grad()

@@ -76,6 +76,7 @@ from crf_core.trainer.config import ComposerConfig
 from crf_core.trainer.pairs import PairCursor, TokenizedPair, check_pair_records, collate_pairs, tokenize_pairs
 from crf_core.trainer.reprompt import PromptLike, build_reprompts
 from crf_core.trainer.sdpo_routing import route_samples
+from crf_core.trainer.sharding import check_sharding
 from crf_core.trainer.startup import ChannelCost, parameter_bytes, startup_line
 from crf_core.trainer.state import STATE_FILE, ChannelState, config_mismatch
 from crf_core.trainer.teacher import AdapterEmaTeacher, EmaTeacher, is_peft_model
@@ -165,7 +166,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_trainer_attributes(self)
-        self._check_sharding(args)
+        adapter_teacher = args.sdpo_weight > 0 and args.sdpo_teacher == "ema"
+        check_sharding(
+            self.accelerator.state,
+            adapter_ema_teacher=adapter_teacher and is_peft_model(self.accelerator.unwrap_model(self.model)),
+        )
         self.composer_args: ComposerConfig = args
         self._chunk_plan = args.chunk_plan()
         # TRL's regime for every forward of every channel: the accelerator's autocast, cast_lm_head_to_fp32 honoured
@@ -200,24 +205,6 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.channel_costs, off = self._channel_costs()
         if self.accelerator.is_main_process:
             logger.info(startup_line(self.channel_costs, off))
-
-    def _check_sharding(self, args: ComposerConfig) -> None:
-        """FSDP2 is supported (the chunked head gathers the sharded LM head; see ``crf_core.channels.head``); FSDP1,
-        and an adapter EMA teacher under FSDP2, are refused."""
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if plugin is None:
-            return
-        if plugin.fsdp_version != 2:
-            raise ValueError(
-                f"ComposerReplicationTrainer supports FSDP2, not FSDP{plugin.fsdp_version}: its chunked LM head reads "
-                "the head weight, which FSDP1 flattens; set fsdp_version: 2 in the accelerate config "
-                "(fsdp_config.fsdp_version=2)"
-            )
-        if args.sdpo_weight > 0 and args.sdpo_teacher == "ema" and is_peft_model(self.accelerator.unwrap_model(self.model)):
-            raise ValueError(
-                "a PEFT policy's EMA self-teacher (the adapter's EMA swapped into the policy) cannot run under FSDP2, "
-                "which shards the adapter; use sdpo_teacher='live', or DDP for a PEFT run"
-            )
 
     def _channel_costs(self) -> tuple[list[ChannelCost], list[str]]:
         """The channels that are on, with the model copy each holds (its parameter bytes), and those that are off."""
