@@ -135,8 +135,7 @@ class EmaTeacher:
         collective every rank must join."""
         self._reshard()
         return {
-            k: (v.full_tensor() if _is_dtensor(v) else v).detach().clone()
-            for k, v in self.module.state_dict().items()
+            k: (v.full_tensor() if _is_dtensor(v) else v).detach().clone() for k, v in self.module.state_dict().items()
         }
 
     @torch.no_grad()
