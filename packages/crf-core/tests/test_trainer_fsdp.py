@@ -1,5 +1,6 @@
 """The trainer under FSDP2 through ``accelerate launch`` (2 ranks, a config file the test writes), every channel on
-(GRPO + SDPO with an EMA teacher + trace-replay DPO, the LM head chunked, SDPO's top-k term in support form), against
+(GRPO with its KL to TRL's reference model + SDPO with an EMA teacher + trace-replay DPO scored against that
+reference, the LM head chunked, SDPO's top-k term in support form), against
 the same run in one process: logged losses and final policy and teacher weights must agree within float32 rounding.
 
 CPU (gloo): measured on this machine, losses agree to 6e-8 and every weight to 1.5e-8 (1.8e-7 of its tensor's
@@ -65,11 +66,14 @@ def _compare(out: Path, atol: float) -> None:
         assert record["sharded"]
         assert record["head_weight_type"] == "DTensor"
         assert record["teacher_sharded"]
+        assert record["reference"] == "ref_model"
+        assert record["reference_sharded"]
         assert record["separable"]
         assert record["warnings"] == []
         assert record["logs"] == ranks[0]["logs"]
     assert not single["sharded"]
     assert single["world"] == 1
+    assert single["reference"] == "ref_model"
     # equal token counts per rank (so per-rank token means average to the global mean): all samples signalled
     assert all(v == 1.0 for step in single["sdpo_masks"] for v in step)
     assert len(single["logs"]) == len(ranks[0]["logs"]) == 3

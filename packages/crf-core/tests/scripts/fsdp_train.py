@@ -4,7 +4,8 @@ FSDP2 config) or the single-process reference; writes what it saw to ``OUT_DIR/<
     accelerate launch --config_file fsdp2.yaml fsdp_train.py OUT_DIR fsdp [--gpu]    # each rank
     python fsdp_train.py OUT_DIR single [--gpu]                                     # the reference
 
-Both runs see the same 8 rollouts per step: they come from a deterministic ``rollout_func`` keyed by the step and
+GRPO's KL term (``beta > 0``) and the DPO pairs' reference score TRL's reference model, which TRL shards like the
+policy under FSDP2. Both runs see the same 8 rollouts per step: they come from a deterministic ``rollout_func`` keyed by the step and
 the sample's place in the global batch (rank r of 2 holds samples 4r..4r+3), not from sampling, whose random
 stream differs between one process and two. Every completion is 8 tokens and every reward call logs feedback, so
 each rank holds the same number of GRPO and SDPO tokens and the ranks' per-rank token means average to the
@@ -105,6 +106,18 @@ def main() -> None:
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=2, num_heads=2, seed=3)
     initial = {k: v.detach().cpu().float().clone() for k, v in model.state_dict().items()}
+    # beta > 0: TRL loads a reference model from the policy's path (sharded by its prepare_fsdp under FSDP2), which
+    # GRPO's KL term and the DPO pairs' reference ("ref_model") then score
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.distributed.is_initialized():  # (the CPU shim set up the process group): transformers saves on rank 0
+        folder = out / f"{mode}-model"
+        if rank == 0:
+            model.save_pretrained(folder)
+        torch.distributed.barrier()
+    else:
+        folder = out / f"{mode}-model-{rank}"
+        model.save_pretrained(folder)
+    model.config._name_or_path = str(folder)
     world = 2 if mode == "fsdp" else 1
     args = ComposerConfig(
         output_dir=str(out / f"{mode}-run"),
@@ -115,6 +128,7 @@ def main() -> None:
         logging_steps=1,
         learning_rate=0.5,
         optim="sgd",
+        beta=0.04,
         report_to=[],
         use_cpu=not gpu,
         bf16=False,
@@ -165,6 +179,8 @@ def main() -> None:
         "sharded": head.sharded,
         "head_weight_type": type(policy.get_output_embeddings().weight).__name__,
         "teacher_sharded": bool(getattr(teacher, "sharded", False)),
+        "reference": trainer.trace_replay_reference,
+        "reference_sharded": LMHead(trainer.ref_model).sharded,
         "separable": head.separable,
         "warnings": sorted(trainer._warned),
         "sdpo_masks": masks,
