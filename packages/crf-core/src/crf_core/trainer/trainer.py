@@ -817,7 +817,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        state = self.channel_state()  # on every rank: a sharded EMA teacher gathers its state (a collective)
+        sharded = isinstance(self.sdpo_teacher, EmaTeacher) and self.sdpo_teacher.sharded
+        if not (self.args.should_save or sharded):
+            return
+        state = self.channel_state()  # sharded: on every rank, the EMA teacher gathers its state (a collective)
         if self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
