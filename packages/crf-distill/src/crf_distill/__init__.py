@@ -13,13 +13,21 @@ from crf_distill.head_scores import (
     HeadScores,
     RowFn,
     RowSource,
+    RowSupport,
     RowTerm,
     chunked_weighted_sums,
     head_logits,
+    head_logits_at,
     head_scores,
     logit_scores,
 )
-from crf_distill.jsd import generalized_jsd, generalized_jsd_per_token, is_ratio_weight
+from crf_distill.jsd import (
+    generalized_jsd,
+    generalized_jsd_on_support,
+    generalized_jsd_per_token,
+    is_ratio_weight,
+    top_k_ids,
+)
 from crf_distill.kl import forward_kl, forward_kl_per_token, reverse_kl, reverse_kl_per_token
 from crf_distill.logprobs import avg_sequence_logprob, sequence_logprob, token_logprobs
 from crf_distill.simpo import simpo_loss
@@ -32,6 +40,7 @@ __all__ = [
     "HeadScores",
     "RowFn",
     "RowSource",
+    "RowSupport",
     "RowTerm",
     "TAIDSchedule",
     "__version__",
@@ -47,8 +56,10 @@ __all__ = [
     "forward_kl",
     "forward_kl_per_token",
     "generalized_jsd",
+    "generalized_jsd_on_support",
     "generalized_jsd_per_token",
     "head_logits",
+    "head_logits_at",
     "head_scores",
     "is_ratio_weight",
     "logit_scores",
@@ -63,4 +74,5 @@ __all__ = [
     "teacher_entropy_gate",
     "token_entropy",
     "token_logprobs",
+    "top_k_ids",
 ]

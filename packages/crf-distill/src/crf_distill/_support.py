@@ -18,6 +18,7 @@ __all__ = [
     "TAIL_CLAMP",
     "check_logit_pair",
     "check_top_k",
+    "close_support",
     "cross_entropy_per_token",
     "kl_per_token",
     "support_logprobs",
@@ -49,9 +50,15 @@ def _tail(topk_logprobs: torch.Tensor) -> torch.Tensor:
 
 def _restrict(logits: torch.Tensor, idx: torch.Tensor, add_tail: bool) -> torch.Tensor:
     lp = logits.gather(-1, idx) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return close_support(lp, add_tail)
+
+
+def close_support(logprobs: torch.Tensor, add_tail: bool) -> torch.Tensor:
+    """Full-vocabulary-normalised log-probs ``(..., k)`` at the support ids as a proper distribution: with the
+    tail bucket appended (``(..., k + 1)``) or renormalised over the ``k`` ids."""
     if add_tail:
-        return torch.cat([lp, _tail(lp)], dim=-1)
-    return lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+        return torch.cat([logprobs, _tail(logprobs)], dim=-1)
+    return logprobs - torch.logsumexp(logprobs, dim=-1, keepdim=True)
 
 
 def support_logprobs(

@@ -7,7 +7,15 @@ per row, every quantity a training step needs from them:
 * ``logprobs[r] = z_r[y_r] − logsumexp(z_r)`` (the label's log-probability; GRPO, DPO, CE, IS ratios);
 * ``entropy[r] = logsumexp(z_r) − Σ_v softmax(z_r)_v z_r,v`` (TRL's entropy, nats), when asked;
 * ``values[k][r] = term_k.fn(z_r, r)`` for any per-row function (a divergence to a teacher, a TAID or
-  Entropy-OPD target, ...), 0 on rows the term leaves out.
+  Entropy-OPD target, ...), 0 on rows the term leaves out. A term that reads ``z_r`` only at a few ids
+  ``I_r`` and through its log-normaliser (a top-k divergence) can say so (:class:`RowSupport`): it is then
+  evaluated as ``support.fn(z_r[I_r], logsumexp(z_r), I_r, r)`` with the head's own ``logsumexp``, and its
+  gradient ``∂/∂z_r = scatter_{I_r}(∂/∂z_r[I_r]) + (∂/∂lse_r)·softmax(z_r)`` joins the label log-prob's
+  softmax term, so it costs no ``(n, V)`` work beyond choosing ``I_r`` (kept from the forward for the backward).
+  The support form is a field of the same :class:`RowTerm` (``RowTerm.support``), evaluated in the one chunk loop
+  by both chunked executions: chunked :func:`head_scores` as above; :func:`chunked_weighted_sums`, whose gradient
+  is one autograd pass over the chunk's logits anyway, differentiates ``support.fn(z[I], logsumexp(z), I, r)``
+  there (no ``(n, V)`` teacher logits either). The materialised execution keeps ``fn`` (plain autograd).
 
 Every output is an ordinary differentiable ``(N,)`` tensor, so the caller combines them with any
 (non-linear, batch-coupled) loss math, e.g. TRL's GRPO normalisation, and each loss part keeps its own gradient.
@@ -62,9 +70,13 @@ __all__ = [
     "HeadScores",
     "RowFn",
     "RowSource",
+    "RowSupport",
     "RowTerm",
+    "SupportFn",
+    "SupportIds",
     "chunked_weighted_sums",
     "head_logits",
+    "head_logits_at",
     "head_scores",
     "logit_scores",
 ]
@@ -77,6 +89,22 @@ RowSource = Callable[[torch.Tensor], torch.Tensor]
 """``source(rows (n,) long) -> (n, V)``: logits of some rows of the scored layout (no grad), e.g. a teacher's or a
 TAID anchor's, looked up by a :class:`RowTerm`'s function."""
 
+SupportIds = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``ids(logits (n, V), rows (n,)) -> (n, k) long``: the vocabulary ids ``I`` a support term reads (no grad)."""
+
+SupportFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``fn(values (n, k), lse (n,), ids (n, k), rows (n,)) -> (n,)`` with ``values = z.gather(-1, ids)`` and
+``lse = logsumexp(z)``; differentiable w.r.t. ``values`` and ``lse``."""
+
+
+@dataclass(frozen=True)
+class RowSupport:
+    """A row function in support form: ``fn(z, rows) = support.fn(z.gather(-1, I), logsumexp(z), I, rows)`` with
+    ``I = support.ids(z, rows)`` (see the module docstring); ``ids`` must be deterministic given the logits."""
+
+    ids: SupportIds
+    fn: SupportFn
+
 
 @dataclass(frozen=True)
 class RowTerm:
@@ -86,10 +114,14 @@ class RowTerm:
         fn: see :data:`RowFn`. It must be differentiable w.r.t. the logits (it is re-run under autograd in the
             chunked backward) and deterministic given its inputs.
         active: optional ``(N,)`` bool/0-1 mask; rows outside it are not evaluated and score 0.
+        support: optional :class:`RowSupport`, the same function read at a few ids; the chunked executions
+            (:func:`head_scores` with a ``chunk_size``, :func:`chunked_weighted_sums`) then use it instead of ``fn``
+            (materialised scoring uses ``fn``).
     """
 
     fn: RowFn
     active: torch.Tensor | None = None
+    support: RowSupport | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +156,107 @@ def head_logits(
                 z = z + bias.to(d)
             z = z.to(dtype)
         return z if temperature == 1.0 else z / temperature
+
+
+def head_logits_at(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    *,
+    precision: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``z[r, j] = (h_r · W[ids[r, j]] + b[ids[r, j]]) / τ`` ``(n, k)``: :func:`head_logits` at ``ids`` ``(n, k)`` only,
+    without the ``(n, V)`` product (the ``(n, k, H)`` rows of ``W`` meet each hidden row in one batched product, in
+    the same projection dtype ``d``; a half ``d`` rounds the logits to it). No grad: for teacher-side reads."""
+    check_head(hidden, weight, bias)
+    check_support_ids(ids, hidden.shape[0])
+    dtype = compute_dtype(hidden)
+    d = projection_dtype(hidden, weight, precision)
+    with torch.no_grad(), autocast_off(hidden.device):
+        rows = weight.detach()[ids].to(d)
+        z = torch.bmm(rows, hidden.detach().to(d).unsqueeze(-1)).squeeze(-1)
+        if bias is not None:
+            z = z + bias.detach()[ids].to(d)
+        z = z.to(dtype)
+    return z if temperature == 1.0 else z / temperature
+
+
+def check_support_ids(ids: torch.Tensor, rows: int) -> None:
+    """``ids`` is an ``(n, k)`` integer tensor with one row per scored row."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.long or ids.dim() != 2 or ids.shape[0] != rows:
+        got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"support ids must be an (n={rows}, k) torch.long tensor of vocabulary ids, got {got}")
+
+
+def _support_value(
+    support: RowSupport, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(support.fn(z[I], lse, I, rows), I)`` for the rows of ``z`` ``(n, V)`` (``lse`` ``(n,)``)."""
+    ids = support.ids(z.detach(), rows)
+    check_support_ids(ids, z.shape[0])
+    return support.fn(z.gather(-1, ids), lse, ids, rows), ids
+
+
+def _row_value(term: RowTerm, z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``term`` on the rows of ``z`` ``(n, V)``, differentiable w.r.t. ``z``: in its support form where it has one
+    (the ids chosen here, the log-normaliser through autograd), else ``fn``."""
+    if term.support is None:
+        return term.fn(z, rows)
+    value, _ = _support_value(term.support, z, torch.logsumexp(z, dim=-1), rows)
+    return value
+
+
+def _support_vjp(
+    support: RowSupport,
+    values: torch.Tensor,
+    lse: torch.Tensor,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(∂/∂values, ∂/∂lse)`` of ``Σ_r grad_r·support.fn(values, lse, ids, rows)_r`` (None where unused)."""
+    with torch.enable_grad():
+        leaf_values = values.detach().requires_grad_(True)
+        leaf_lse = lse.detach().requires_grad_(True)
+        out = support.fn(leaf_values, leaf_lse, ids, rows)
+        total = (out * grad.to(out.dtype)).sum()
+        if not total.requires_grad:
+            return None, None
+        g_values, g_lse = torch.autograd.grad(total, (leaf_values, leaf_lse), allow_unused=True)
+    return g_values, g_lse
+
+
+def _support_grads(
+    supported: Sequence[tuple[RowTerm, torch.Tensor, list[torch.Tensor | None]]],
+    chunk: int,
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    rows: torch.Tensor,
+    start: int,
+    stop: int,
+) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]]:
+    """For one chunk ``[start, stop)`` of logits ``z`` ``(n, V)`` (``lse`` its ``(n,)`` log-normalisers), the support
+    terms' ``∂(Σ_k g_k·term_k)/∂z = Σ_k scatter_{I_k}(∂/∂z[I_k]) + c·softmax(z)``, for ``(term_k, g_k (N,), ids_k)``
+    in ``supported`` (``ids_k`` the forward's ids per chunk): ``(c (n,) or None, [(sel, I, ∂/∂z[I]), ...])``, where
+    ``sel`` are the local active rows (None: all) the scatter's rows are."""
+    c: torch.Tensor | None = None
+    scatters: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+    for term, g, kept in supported:
+        ids = kept[chunk]
+        if ids is None:
+            continue
+        assert term.support is not None
+        sel = _selected(term.active, start, stop)
+        at = slice(None) if sel is None else sel
+        g_values, g_lse = _support_vjp(term.support, z[at].gather(-1, ids), lse[at], ids, rows[at], g[start:stop][at])
+        if g_values is not None:
+            scatters.append((sel, ids, g_values.to(z.dtype)))
+        if g_lse is not None:
+            c = torch.zeros(stop - start, dtype=z.dtype, device=z.device) if c is None else c
+            c[at] += g_lse.to(z.dtype)
+    return c, scatters
 
 
 def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -188,19 +321,31 @@ class _ChunkedHeadScores(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = (torch.empty if want_entropy else torch.zeros)(n, dtype=dtype, device=hidden.device)
         values = [torch.zeros(n, dtype=dtype, device=hidden.device) for _ in terms]
+        # support terms: their ids I of every chunk, kept for the backward (None where no row is active)
+        support_ids: list[list[torch.Tensor | None]] = [[] for _ in terms]
         for start, stop, _, z, rows in _chunks(hidden, weight, bias, temperature, chunk_size, precision):
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse[start:stop]
             if want_entropy:
                 entropy[start:stop] = _entropy(z, lse[start:stop])
-            for term, out in zip(terms, values, strict=True):
+            for term, out, kept in zip(terms, values, support_ids, strict=True):
                 sel = _selected(term.active, start, stop)
-                if sel is None:
+                if term.support is not None:
+                    ids = None
+                    if sel is None:
+                        value, ids = _support_value(term.support, z, lse[start:stop], rows)
+                        out[start:stop] = value.to(dtype)
+                    elif sel.numel():
+                        value, ids = _support_value(term.support, z[sel], lse[start + sel], rows[sel])
+                        out[start + sel] = value.to(dtype)
+                    kept.append(ids)
+                elif sel is None:
                     out[start:stop] = term.fn(z, rows).to(dtype)
                 elif sel.numel():
                     out[start + sel] = term.fn(z[sel], rows[sel]).to(dtype)
             del z
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.support_ids = support_ids
         ctx.terms = terms
         ctx.want_entropy = want_entropy
         ctx.temperature = temperature
@@ -225,13 +370,22 @@ class _ChunkedHeadScores(torch.autograd.Function):
             g_h = None
         dtype = lse.dtype
         grad_h, grad_w, grad_b = _grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
-        live_terms = [(t, g, 1.0) for t, g in zip(ctx.terms, g_terms, strict=True) if g is not None]
-        if g_lp is None and g_h is None and not live_terms:
+        live = [(t, g, 1.0) for t, g in zip(ctx.terms, g_terms, strict=True) if g is not None]
+        if g_lp is None and g_h is None and not live:
             return (None,) * 9
+        dense = [item for item in live if item[0].support is None]
+        supported = [
+            (t, g, kept)
+            for t, g, kept in zip(ctx.terms, g_terms, ctx.support_ids, strict=True)
+            if g is not None and t.support is not None
+        ]
         operand = grad_operand(weight, ctx.precision)
-        for start, stop, h, z, rows in _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size, ctx.precision):
-            dz, _ = weighted_vjp(z, rows, start, stop, live_terms)  # ∂(Σ_k g_k·term_k)/∂z, or None
-            if g_lp is not None or g_h is not None:
+        chunks = _chunks(hidden, weight, bias, ctx.temperature, ctx.chunk_size, ctx.precision)
+        for chunk, (start, stop, h, z, rows) in enumerate(chunks):
+            dz, _ = weighted_vjp(z, rows, start, stop, dense)  # ∂(Σ_k g_k·term_k)/∂z, or None
+            # support terms: ∂/∂z = scatter_I(∂/∂z[I]) + c·p with c = ∂/∂lse, p = softmax(z) (joined below)
+            c, scatters = _support_grads(supported, chunk, z, lse[start:stop], rows, start, stop)
+            if g_lp is not None or g_h is not None or c is not None:
                 log_p = z.sub_(lse[start:stop].unsqueeze(-1))  # z is not needed any more: reuse its storage
                 p = torch.exp(log_p)
                 a = (
@@ -239,14 +393,21 @@ class _ChunkedHeadScores(torch.autograd.Function):
                     if g_lp is None
                     else g_lp[start:stop].to(dtype)
                 )
-                if g_h is not None:  # −g_H·p·(log p + H) − g_lp·p, in log_p's storage
+                b = a if c is None else a - c  # the coefficient of −p
+                if g_h is not None:  # −g_H·p·(log p + H) − b·p, in log_p's storage
                     log_p.add_(entropy[start:stop].unsqueeze(-1)).mul_(g_h[start:stop].to(dtype).unsqueeze(-1))
-                    log_p.add_(a.unsqueeze(-1)).mul_(p).neg_()
+                    log_p.add_(b.unsqueeze(-1)).mul_(p).neg_()
                 else:
-                    log_p.copy_(p).mul_(-a.unsqueeze(-1))
+                    log_p.copy_(p).mul_(-b.unsqueeze(-1))
                 del p
                 log_p.scatter_add_(-1, labels[start:stop].unsqueeze(-1), a.unsqueeze(-1))
                 dz = log_p if dz is None else dz.add_(log_p)
+            for sel, ids, g_values in scatters:
+                dz = torch.zeros_like(z) if dz is None else dz
+                if sel is None:
+                    dz.scatter_add_(-1, ids, g_values)
+                else:
+                    dz.index_put_((sel.unsqueeze(-1).expand_as(ids), ids), g_values, accumulate=True)
             if dz is None:  # nothing flows back through this chunk
                 del z
                 continue
@@ -283,7 +444,7 @@ def weighted_vjp(
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """For one chunk ``[start, stop)`` of logits ``z`` ``(n, V)``: ``∂(Σ_k s_k Σ_r c_k,r·term_k(z)_r)/∂z`` and the
     detached sums ``Σ_r c_k,r·term_k(z)_r``, for ``(term_k, c_k (N,), s_k)`` in ``live`` (autograd on a detached
-    copy of the chunk; inactive rows are left out)."""
+    copy of the chunk; inactive rows are left out; a term with a support form is evaluated in it)."""
     sums: list[torch.Tensor] = []
     with torch.enable_grad():
         leaf = z.detach().requires_grad_(True)
@@ -295,7 +456,7 @@ def weighted_vjp(
                 continue
             picked = leaf if sel is None else leaf[sel]
             c = coeff[start:stop] if sel is None else coeff[start + sel]
-            value = (term.fn(picked, rows if sel is None else rows[sel]) * c.to(z.dtype)).sum()
+            value = (_row_value(term, picked, rows if sel is None else rows[sel]) * c.to(z.dtype)).sum()
             sums.append(value.detach())
             total = value * scale if total is None else total + value * scale
         if total is None or not total.requires_grad:

@@ -29,11 +29,18 @@ import math
 import torch
 
 from crf_distill._checks import check_float_tensor, check_in_range, check_mask
-from crf_distill._support import kl_per_token, support_logprobs
+from crf_distill._support import check_top_k, close_support, kl_per_token, support_logprobs
 from crf_distill.aggregate import Aggregation, aggregate
-from crf_distill.logprobs import token_logprobs
+from crf_distill.logprobs import compute_dtype, token_logprobs
 
-__all__ = ["generalized_jsd", "generalized_jsd_from_logprobs", "generalized_jsd_per_token", "is_ratio_weight"]
+__all__ = [
+    "generalized_jsd",
+    "generalized_jsd_from_logprobs",
+    "generalized_jsd_on_support",
+    "generalized_jsd_per_token",
+    "is_ratio_weight",
+    "top_k_ids",
+]
 
 IS_LOG_RATIO_CLAMP = 20.0
 
@@ -66,6 +73,38 @@ def generalized_jsd_per_token(
     """Per-token generalised JSD: ``(..., V) × 2 -> (...)`` (see module docstring)."""
     alpha = check_in_range("alpha", alpha, 0.0, 1.0)
     s, t = support_logprobs(student_logits, teacher_logits, top_k=top_k, add_tail=add_tail)
+    return generalized_jsd_from_logprobs(s, t, alpha)
+
+
+def top_k_ids(student_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The student's ``top_k`` ids ``(..., k)`` of ``(..., V)`` logits: the support of the top-k divergences (no grad)."""
+    check_float_tensor("student_logits", student_logits, min_ndim=1)
+    check_top_k(top_k, student_logits.shape[-1])
+    return student_logits.detach().to(compute_dtype(student_logits)).topk(top_k, dim=-1).indices
+
+
+def generalized_jsd_on_support(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    alpha: float = 0.5,
+    add_tail: bool = True,
+) -> torch.Tensor:
+    """:func:`generalized_jsd_per_token` with ``top_k`` given only what it reads: both sides' full-vocabulary-normalised
+    log-probs ``z_i − logsumexp(z)`` at the student's top-k ids (:func:`top_k_ids`), ``(..., k) × 2 -> (...)``.
+
+    Closed with the tail bucket (``add_tail``) or renormalised, as there; equal to it without the ``(..., V)`` logits.
+    """
+    alpha = check_in_range("alpha", alpha, 0.0, 1.0)
+    check_float_tensor("student_logprobs", student_logprobs, min_ndim=1)
+    check_float_tensor("teacher_logprobs", teacher_logprobs, min_ndim=1)
+    if student_logprobs.shape != teacher_logprobs.shape:
+        raise ValueError(
+            f"`teacher_logprobs` must have the student's shape {tuple(student_logprobs.shape)} (the same ids), got "
+            f"{tuple(teacher_logprobs.shape)}"
+        )
+    s = close_support(student_logprobs, add_tail)
+    t = close_support(teacher_logprobs.detach().to(s.dtype), add_tail)
     return generalized_jsd_from_logprobs(s, t, alpha)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from crf_core._checks import is_int
-from crf_core.channels.head import LMHead
+from crf_core.channels.head import HeadStates, LMHead
 from crf_distill import RowTerm
 
 __all__ = ["CompletionScores", "TermFactory", "score_completions"]
@@ -61,18 +61,20 @@ def score_completions(
     if not is_int(logits_to_keep) or not 0 < logits_to_keep < length:
         raise ValueError(f"logits_to_keep must be an int in [1, T={length}), got {logits_to_keep!r}")
     start = length - logits_to_keep
-    states = head.states(input_ids, attention_mask)
     real = attention_mask[:, start:] > 0
     sample, position = torch.nonzero(real, as_tuple=True)
-    rows = states.tensor[:, start - 1 : length - 1][real]
-    terms = [] if extra is None else [extra(sample, position)]
-    scores = head.score(rows, input_ids[:, start:][real], is_logits=states.is_logits, terms=terms, entropy=entropy)
+
+    def scored(states: HeadStates) -> CompletionScores:  # inside the model's forward when it is sharded
+        rows = states.tensor[:, start - 1 : length - 1][real]
+        terms = [] if extra is None else [extra(sample, position)]
+        scores = head.score(rows, input_ids[:, start:][real], is_logits=states.is_logits, terms=terms, entropy=entropy)
+        return CompletionScores(
+            spread(scores.logprobs),
+            None if scores.entropy is None else spread(scores.entropy),
+            spread(scores.values[0]) if scores.values else None,
+        )
 
     def spread(values: torch.Tensor) -> torch.Tensor:  # masked_scatter keeps an all-padding batch differentiable
         return values.new_zeros(real.shape).masked_scatter(real, values)
 
-    return CompletionScores(
-        spread(scores.logprobs),
-        None if scores.entropy is None else spread(scores.entropy),
-        spread(scores.values[0]) if scores.values else None,
-    )
+    return head.run(scored, input_ids, attention_mask)

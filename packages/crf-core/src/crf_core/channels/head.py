@@ -17,6 +17,15 @@ Mixed precision is a :class:`HeadPrecision`: every pass (decoder, head, teacher 
 decoder runs in autocast and the head product in bf16 with a float32 log-softmax; ``head_dtype=torch.float32`` is
 TRL's ``cast_lm_head_to_fp32`` (the product in float32, autocast off). The numerics are those of
 ``crf_distill.precision``; without autocast (``bf16=False``) nothing changes.
+
+Sharded models (FSDP2, ``torch.distributed.fsdp.fully_shard`` as accelerate applies it): the head reads
+``lm_head.weight`` directly, which FSDP2 holds as a sharded ``DTensor`` outside the model's forward. So
+:meth:`LMHead.run` runs the decoder *and* the scoring inside the root module's forward (its hooks gather every
+unit's parameters, the head's included, as TRL 1.16's fused head does): the scores are the forward's outputs, so
+FSDP2's pre-backward hooks re-gather the head before the chunked backward recomputes with it, and its gradient
+lands on the gathered parameter that FSDP2 reduce-scatters. Outside a forward, a still-sharded head is gathered
+once per :class:`LMHead` (``full_tensor``) for no-grad use (a sharded teacher's projections); with grad that is an
+error, since the gradient would bypass FSDP2's reduction.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
@@ -35,6 +44,7 @@ from crf_distill import (
     RowTerm,
     chunked_weighted_sums,
     head_logits,
+    head_logits_at,
     head_scores,
     logit_scores,
 )
@@ -46,6 +56,7 @@ __all__ = [
     "HeadPrecision",
     "HeadStates",
     "LMHead",
+    "RowLogits",
     "RowSource",
     "hidden_source",
     "logits_source",
@@ -56,6 +67,7 @@ __all__ = [
 MIB = 1 << 20
 ChunkMode = Literal["auto", "on", "off"]
 CHUNK_MODES: tuple[ChunkMode, ...] = get_args(ChunkMode)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,33 @@ class HeadStates:
     is_logits: bool
 
 
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` applied to it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _module_type(module: Any) -> type:
+    """The module's own class: FSDP2 swaps in a subclass ``FSDP<Name>(FSDPModule, <Name>)``; this is ``<Name>``."""
+    cls = type(module)
+    if not is_sharded(module):
+        return cls
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+
+
 def _separation(causal_lm: Any) -> tuple[Any, torch.nn.Linear | None, str | None]:
     """``(decoder, head, None)`` or ``(None, None, reason)`` for a causal LM."""
     get_head = getattr(causal_lm, "get_output_embeddings", None)
@@ -136,8 +175,9 @@ def _separation(causal_lm: Any) -> tuple[Any, torch.nn.Linear | None, str | None
     head = get_head() if callable(get_head) else None
     if not callable(get_decoder) or head is None:
         return None, None, "the model has no get_decoder()/get_output_embeddings() (not a Hugging Face causal LM)"
-    if type(head) is not torch.nn.Linear:
-        return None, None, f"its lm_head is a {type(head).__name__}, not a plain nn.Linear (e.g. a PEFT adapter on it)"
+    if _module_type(head) is not torch.nn.Linear:
+        kind = _module_type(head).__name__
+        return None, None, f"its lm_head is a {kind}, not a plain nn.Linear (e.g. a PEFT adapter on it)"
     config: Any = getattr(causal_lm, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "final_logit_softcapping", None) is not None:
@@ -181,6 +221,8 @@ class LMHead:
         get_base = getattr(self.inner, "get_base_model", None)  # PEFT
         self.causal_lm = get_base() if callable(get_base) else self.inner
         self.decoder, self._head, self.reason = _separation(self.causal_lm)
+        self.sharded = is_sharded(self.inner) or is_sharded(self.causal_lm)
+        self._gathered: dict[str, torch.Tensor] = {}
 
     @property
     def separable(self) -> bool:
@@ -189,13 +231,57 @@ class LMHead:
 
     @property
     def weight(self) -> torch.Tensor:
+        """The head's ``(V, H)`` weight: the parameter itself, or (sharded, outside a forward) its gathered copy."""
         assert self._head is not None, self.reason
-        return self._head.weight
+        return self._unsharded("weight", self._head.weight)
 
     @property
     def bias(self) -> torch.Tensor | None:
         assert self._head is not None, self.reason
-        return self._head.bias
+        bias = self._head.bias
+        return None if bias is None else self._unsharded("bias", bias)
+
+    def _unsharded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or for a sharded ``DTensor`` its full value, gathered once (no grad; see the module docstring)."""
+        if not _is_dtensor(tensor):
+            return tensor
+        if torch.is_grad_enabled() and tensor.requires_grad:
+            raise RuntimeError(
+                f"the LM head's {name} is still sharded (an FSDP2 DTensor) where the chunked head reads it with grad: "
+                "score through LMHead.run, which runs inside the model's forward where FSDP2 gathers it; if the "
+                "lm_head is an FSDP unit of its own, shard it together with the final norm "
+                "(fully_shard([norm, lm_head]), as accelerate's FSDP2 preparation does) or with the root"
+            )
+        if name not in self._gathered:
+            with torch.no_grad():
+                self._gathered[name] = tensor.full_tensor()  # type: ignore[attr-defined]
+        return self._gathered[name]
+
+    def gather(self) -> None:
+        """Gather a sharded head's weight and bias now (a collective: every rank must call it at the same point)."""
+        if self.separable:
+            _ = self.weight, self.bias
+
+    def run(self, fn: Callable[[HeadStates], T], input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> T:
+        """``fn(self.states(input_ids, attention_mask))``: score what the model produced for ``(B, T)`` tokens.
+
+        For a sharded model ``fn`` runs inside the model's forward, after the decoder (see the module docstring);
+        its result (tensors, or tuples/dicts/dataclasses of them) is the forward's output.
+        """
+        if not self.sharded:
+            return fn(self.states(input_ids, attention_mask))
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor | None) -> T:
+            with self.precision.autocast():
+                if self.separable:
+                    states = HeadStates(self._decoder_states(ids, mask), is_logits=False)
+                else:
+                    states = HeadStates(self._full_logits(ids, mask), is_logits=True)
+            return fn(states)
+
+        with _forward_replaced(self.inner, forward):
+            out: T = self.model(input_ids, attention_mask)
+        return out
 
     def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> HeadStates:
         """Run the model on ``(B, T)`` tokens: decoder states if the head is separable, else full logits."""
@@ -217,8 +303,9 @@ class LMHead:
         return logits
 
     def _call(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-        """``fn(*args)``, entered through the wrapper's forward when the model is wrapped (DDP)."""
-        if self.model is self.inner:
+        """``fn(*args)``, entered through the wrapper's forward when the model is wrapped (DDP) or sharded (FSDP2:
+        the root's hooks gather the parameters)."""
+        if self.model is self.inner and not self.sharded:
             return fn(*args)
         with _forward_replaced(self.inner, fn):
             out: torch.Tensor = self.model(*args)
@@ -291,6 +378,13 @@ class LMHead:
         with torch.no_grad(), self.precision.autocast():
             return head_logits(rows, self.weight, self.bias, self.temperature, precision=self.precision.head_dtype)
 
+    def project_at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`project` at ``ids`` ``(n, k)`` only: no-grad ``(n, k)`` logits, without the ``(n, V)`` product."""
+        with torch.no_grad(), self.precision.autocast():
+            return head_logits_at(
+                rows, self.weight, ids, self.bias, self.temperature, precision=self.precision.head_dtype
+            )
+
 
 def mean_weights(mask: torch.Tensor) -> torch.Tensor:
     """``m / Σ m`` as float32 (float64 stays), 0 everywhere when ``Σ m = 0``: the weights of a token mean."""
@@ -305,7 +399,7 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _forward_replaced(module: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> Iterator[None]:
+def _forward_replaced(module: torch.nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
     """Make ``module(...)`` run ``fn`` for the duration (an instance-level forward, restored afterwards)."""
     instance = module.__dict__
     had, previous = "forward" in instance, instance.get("forward")
@@ -319,15 +413,112 @@ def _forward_replaced(module: torch.nn.Module, fn: Callable[..., torch.Tensor]) 
             del instance["forward"]
 
 
-def logits_source(logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowSource:
-    """A :data:`RowSource` over precomputed ``(M, V)`` logits; ``index`` maps scored rows to their rows."""
-    fixed = logits.detach()
-    return lambda rows: fixed[index(rows)]
+class RowLogits:
+    """A :data:`RowSource` over ``M`` fixed rows (no grad) that also gives full-vocabulary log-probs at a few ids.
+
+    ``source(rows)`` is ``(n, V)`` logits ``z`` of the rows ``index(rows)``; ``source.logprobs_at(rows, ids)`` is
+    ``z[ids] − logsumexp(z)`` ``(n, k)``, read without the ``(n, V)`` logits: ``logsumexp`` of every row is computed
+    once (:meth:`log_normaliser`, chunked like the head) and the logits at ``ids`` directly. What a top-k divergence
+    needs of its teacher.
+    """
+
+    def __init__(
+        self, count: int, index: Callable[[torch.Tensor], torch.Tensor], chunk: int | None, device: torch.device
+    ) -> None:
+        self.count = count
+        self.index = index
+        self.device = device
+        self._chunk = chunk or max(count, 1)
+        self._lse: torch.Tensor | None = None
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._logits(self.index(rows))
+
+    def logprobs_at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``(n, k)`` log-probs of the vocabulary ids ``ids`` ``(n, k)`` in the rows ``index(rows)``."""
+        own = self.index(rows)
+        return self._logits_at(own, ids) - self.log_normaliser()[own].unsqueeze(-1)
+
+    def log_normaliser(self) -> torch.Tensor:
+        """``logsumexp`` of the logits of each of the ``M`` rows ``(M,)``, computed on first use."""
+        if self._lse is None:
+            parts = [
+                torch.logsumexp(
+                    self._logits(torch.arange(i, min(i + self._chunk, self.count), device=self.device)), dim=-1
+                )
+                for i in range(0, self.count, self._chunk)
+            ]
+            self._lse = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        return self._lse
+
+    def rows(self, index: torch.Tensor) -> RowLogits:
+        """These logits seen from other rows: row ``i`` of the result is row ``index[i]`` ``(N',)`` of this source
+        (the same ``M`` rows and log-normaliser, so :meth:`log_normaliser` is computed once for both)."""
+        return _Reindexed(self, index)
+
+    def _logits(self, own: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _logits_at(self, own: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def hidden_source(head: LMHead, hidden: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowSource:
-    """A :data:`RowSource` projecting ``(M, H)`` states (or ``(M, V)`` logits of a non-separable model) on demand."""
-    fixed = hidden.detach()
+class _Reindexed(RowLogits):
+    """:meth:`RowLogits.rows`: ``base`` with its row index composed with ``index``."""
+
+    def __init__(self, base: RowLogits, index: torch.Tensor) -> None:
+        super().__init__(base.count, lambda rows: base.index(index[rows]), None, base.device)
+        self.base = base
+
+    def log_normaliser(self) -> torch.Tensor:
+        return self.base.log_normaliser()
+
+    def _logits(self, own: torch.Tensor) -> torch.Tensor:
+        return self.base._logits(own)
+
+    def _logits_at(self, own: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.base._logits_at(own, ids)
+
+
+class _FixedLogits(RowLogits):
+    """Rows of precomputed ``(M, V)`` logits, divided by ``scale``."""
+
+    def __init__(self, logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor], scale: float) -> None:
+        super().__init__(logits.shape[0], index, ChunkPlan().rows(logits.shape[0], logits.shape[-1]), logits.device)
+        self.logits = logits.detach()
+        self.scale = scale
+
+    def _logits(self, own: torch.Tensor) -> torch.Tensor:
+        rows = self.logits[own.to(self.logits.device)]
+        return rows if self.scale == 1.0 else rows / self.scale
+
+    def _logits_at(self, own: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        at = self.logits[own.to(self.logits.device).unsqueeze(-1), ids]
+        return at if self.scale == 1.0 else at / self.scale
+
+
+class _ProjectedRows(RowLogits):
+    """Rows of ``(M, H)`` decoder states, projected through a head on demand."""
+
+    def __init__(self, head: LMHead, hidden: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(hidden.shape[0], index, head.plan.rows(hidden.shape[0], head.weight.shape[0]), hidden.device)
+        self.head = head
+        self.hidden = hidden.detach()
+
+    def _logits(self, own: torch.Tensor) -> torch.Tensor:
+        return self.head.project(self.hidden[own])
+
+    def _logits_at(self, own: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.project_at(self.hidden[own], ids)
+
+
+def logits_source(logits: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowLogits:
+    """A :class:`RowLogits` over precomputed ``(M, V)`` logits; ``index`` maps scored rows to their rows."""
+    return _FixedLogits(logits, index, 1.0)
+
+
+def hidden_source(head: LMHead, hidden: torch.Tensor, index: Callable[[torch.Tensor], torch.Tensor]) -> RowLogits:
+    """A :class:`RowLogits` projecting ``(M, H)`` states (or ``(M, V)`` logits of a non-separable model) on demand."""
     if not head.separable:
-        return lambda rows: fixed[index(rows)] / head.temperature
-    return lambda rows: head.project(fixed[index(rows)])
+        return _FixedLogits(hidden, index, head.temperature)
+    return _ProjectedRows(head, hidden, index)

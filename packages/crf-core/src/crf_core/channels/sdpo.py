@@ -29,6 +29,14 @@ the token weights) and score it with
 Row layout: :class:`SDPOTargets` hold one row per completion token, row ``b·C + j`` for token ``j`` of sample ``b``
 (``B`` samples, ``C`` completion tokens). A caller whose head pass scores other rows (``compose_loss`` every
 next-token prediction, the trainer the real completion tokens) names each scored row's ``(sample, position)``.
+
+With top-k (no wrapper) and a teacher that is a :class:`~crf_core.channels.head.RowLogits` (what
+:func:`sdpo_targets` builds, and :meth:`SDPOTargets.rows` keeps), the term also comes in support form
+(:class:`~crf_distill.RowSupport`, a field of the same :class:`~crf_distill.RowTerm`): ``D`` reads the student at
+its top-k ids (and the label, for the IS weight) plus its log-normaliser, and the teacher's log-probs there,
+``z_T[ids] − logsumexp(z_T)``, from the teacher's log-normaliser (one no-grad pass) and its logits at those ids; no
+``(n, V)`` teacher logits and no second student softmax exist, and the chunked backward reuses the forward's ids.
+Same value, same gradient.
 """
 
 from __future__ import annotations
@@ -42,16 +50,19 @@ import torch
 
 from crf_core._checks import is_number
 from crf_core.channels._validate import check_choice, check_number, check_optional_int, check_unit
-from crf_core.channels.head import HeadStates, LMHead, RowSource, hidden_source, logits_source
+from crf_core.channels.head import HeadStates, LMHead, RowLogits, RowSource, hidden_source, logits_source
 from crf_distill import (
+    RowSupport,
     RowTerm,
     TAIDSchedule,
     entropy_opd_per_token,
+    generalized_jsd_on_support,
     generalized_jsd_per_token,
     is_ratio_weight,
     taid_linear_t,
     taid_target_logprobs,
     token_logprobs,
+    top_k_ids,
 )
 from crf_distill.entropy_opd import ENTROPY_GATES, EntropyGate
 
@@ -203,10 +214,11 @@ class SDPOTargets:
     weights: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> SDPOTargets:
-        """These targets seen from other rows: row ``i`` of the result is row ``index[i]`` ``(N',)`` of these."""
+        """These targets seen from other rows: row ``i`` of the result is row ``index[i]`` ``(N',)`` of these (a
+        :class:`~crf_core.channels.head.RowLogits` teacher stays one, for the support form)."""
         teacher, anchor = self.teacher, self.anchor
         return SDPOTargets(
-            teacher=lambda rows: teacher(index[rows]),
+            teacher=teacher.rows(index) if isinstance(teacher, RowLogits) else (lambda rows: teacher(index[rows])),
             taid_t=self.taid_t,
             anchor=None if anchor is None else (lambda rows: anchor(index[rows])),
             labels=None if self.labels is None else self.labels[index],
@@ -360,7 +372,7 @@ class SDPOChannel:
                 )
             return generalized_jsd_per_token(student, target, alpha=cfg.alpha, top_k=cfg.top_k, add_tail=cfg.add_tail)
 
-        return RowTerm(per_row, active=active)
+        return RowTerm(per_row, active=active, support=self._support(targets))
 
     def term_at(
         self, targets: SDPOTargets, weights: torch.Tensor, sample: torch.Tensor, position: torch.Tensor
@@ -373,6 +385,37 @@ class SDPOChannel:
         at = position.clamp_min(0)
         active = inside & (weights[sample, at] > 0)
         return self.term(targets.rows(sample * c + at), active)
+
+    def _support(self, targets: SDPOTargets) -> RowSupport | None:
+        """The term in support form (see the module docstring), where it has one: top-k, no wrapper, a
+        :class:`RowLogits` teacher."""
+        cfg = self.config
+        teacher = targets.teacher
+        if cfg.wrapper is not None or cfg.top_k is None or not isinstance(teacher, RowLogits):
+            return None
+        k, clip, old, labels = cfg.top_k, cfg.is_clip, targets.old_logprobs, targets.labels
+        weighted = clip is not None and old is not None  # the IS weight reads the label's log-prob too
+
+        def ids(student: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            top = top_k_ids(student, k)
+            if not weighted:
+                return top
+            assert labels is not None
+            return torch.cat([top, labels[rows].unsqueeze(-1).to(top.device)], dim=-1)
+
+        def per_row(values: torch.Tensor, lse: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            student = values[:, :k] - lse.unsqueeze(-1)
+            value = generalized_jsd_on_support(
+                student, teacher.logprobs_at(rows, at[:, :k]), alpha=cfg.alpha, add_tail=cfg.add_tail
+            )
+            if clip is None:
+                return value
+            if old is None:  # on-policy: π_θ/π_old = 1
+                return value * min(1.0, clip)
+            lp = values[:, k] - lse
+            return value * is_ratio_weight(lp, old[rows].to(lp.dtype), clip)
+
+        return RowSupport(ids, per_row)
 
 
 def first_error_mask(teacher_logprobs: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Literal, TypeGuard, get_args
 import torch
 
 from crf_core.channels._validate import check_number
-from crf_core.channels.head import LMHead
+from crf_core.channels.head import HeadStates, LMHead
 from crf_distill import DPO_LOSS_TYPES, dpo_loss, simpo_loss
 from crf_distill.dpo import DPOLossType
 
@@ -179,15 +179,16 @@ class TraceReplayDPOChannel:
     def sequence_logps(head: LMHead, batch: SequenceBatch) -> SequenceLogps:
         """Summed response-token log-probs of each sequence under ``head`` (grad if enabled)."""
         ids = batch.input_ids
-        states = head.states(ids, batch.attention_mask)
         scored = batch.response_mask[:, 1:] > 0
-        rows = states.tensor[:, :-1][scored]
         labels = ids[:, 1:][scored]
         seq = torch.nonzero(scored)[:, 0]
-        scores = head.score(rows, labels, is_logits=states.is_logits)
-        lp = scores.logprobs
-        total = torch.zeros(ids.shape[0], dtype=lp.dtype, device=lp.device).index_add(0, seq, lp)
-        return SequenceLogps(total, scored.sum(-1).to(lp.dtype))
+
+        def summed(states: HeadStates) -> SequenceLogps:  # inside the model's forward when it is sharded
+            lp = head.score(states.tensor[:, :-1][scored], labels, is_logits=states.is_logits).logprobs
+            total = torch.zeros(ids.shape[0], dtype=lp.dtype, device=lp.device).index_add(0, seq, lp)
+            return SequenceLogps(total, scored.sum(-1).to(lp.dtype))
+
+        return head.run(summed, ids, batch.attention_mask)
 
     def loss(
         self,

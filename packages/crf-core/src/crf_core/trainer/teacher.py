@@ -14,6 +14,12 @@ Every rank holds its own teacher. It is taken before DDP wraps the policy, when 
 weights (a PEFT adapter's, say) may still differ, so training starts by broadcasting rank 0's teacher
 (``synchronise``); from then on the teachers stay identical because DDP keeps the policies identical.
 Checkpointed with the Trainer (``crf_core.trainer.state``).
+
+Under FSDP2 the full copy is sharded like the policy once the policy is (:meth:`EmaTeacher.shard`, TRL's
+``prepare_fsdp``, as TRL's SDPOTrainer shards its teacher): every parameter is split on dim 0 over the same mesh,
+so each rank's EMA step is a local ``lerp`` of its shard toward the policy's shard (no communication), its
+checkpoint state is gathered to full tensors, and its forward gathers like the policy's. The adapter form
+needs the unsharded trainable tensors and is refused under FSDP2.
 """
 
 from __future__ import annotations
@@ -64,6 +70,19 @@ def _check_state(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tens
             raise ValueError(f"EMA teacher tensor {name!r} has dtype {value.dtype}, expected {own[name].dtype}")
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor``; any other tensor as it is."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
 def _broadcast(tensors: Iterator[torch.Tensor] | list[torch.Tensor], src: int) -> None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
@@ -90,11 +109,26 @@ class EmaTeacher:
             sub.__dict__.pop("forward", None)
         self.module.requires_grad_(False)
         self.module.eval()
+        self.sharded = False
 
     @property
     def nbytes(self) -> int:
         """Bytes of the teacher's parameters (a tied parameter once): the memory it adds to the run."""
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    def shard(self, accelerator: Any) -> None:
+        """Shard the copy like an FSDP2 policy (TRL's ``prepare_fsdp`` with the accelerator's FSDP2 plugin); call it
+        on every rank after the policy is sharded and after :meth:`synchronise`."""
+        if self.sharded:
+            return
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        if plugin is None or plugin.fsdp_version != 2:
+            raise ValueError("EmaTeacher.shard needs an accelerator with an FSDP2 plugin (fsdp_version=2)")
+        from trl.models import prepare_fsdp
+
+        prepared: Any = prepare_fsdp(self.module, accelerator)
+        self.module = prepared
+        self.sharded = True
 
     @contextmanager
     def applied(self, policy: nn.Module) -> Iterator[nn.Module]:
@@ -103,31 +137,72 @@ class EmaTeacher:
         yield self.module
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The teacher's parameters and buffers (for checkpoints)."""
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        """The teacher's parameters and buffers as full tensors (for checkpoints). Sharded, this gathers them: a
+        collective every rank must join."""
+        self._reshard()
+        return {
+            k: (v.full_tensor() if _is_dtensor(v) else v).detach().clone() for k, v in self.module.state_dict().items()
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict`; every tensor must match the teacher's names, shapes and dtypes."""
-        _check_state(self.module.state_dict(), state)
-        self.module.load_state_dict(dict(state))
+        own = self.module.state_dict()
+        _check_state(own, state)
+        if not self.sharded:
+            self.module.load_state_dict(dict(state))
+            return
+        from torch.distributed.tensor import distribute_tensor
+
+        self._reshard()
+        for name, value in state.items():
+            target = own[name]
+            if _is_dtensor(target):
+                value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
+            target.copy_(value)
 
     @torch.no_grad()
     def synchronise(self, src: int = 0) -> None:
-        """Make every rank's copy equal to rank ``src``'s (no-op outside ``torch.distributed``)."""
-        _broadcast(list(self.module.state_dict().values()), src)
+        """Make every rank's copy equal to rank ``src``'s (no-op outside ``torch.distributed``, and once sharded:
+        the shards come from copies that were synchronised first)."""
+        if not self.sharded:
+            _broadcast(list(self.module.state_dict().values()), src)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """Move the teacher toward ``model``'s current weights by ``rate`` (no-op when rate is 0)."""
+        """Move the teacher toward ``model``'s current weights by ``rate`` (no-op when rate is 0). Sharded, each rank
+        moves its shard toward the policy's shard of the same parameter."""
         if self.rate == 0.0:
             return
+        self._reshard()
         student = dict(model.named_parameters())
         for name, param in self.module.named_parameters():
             source = student.get(name)
             if source is None:
                 raise KeyError(f"the policy has no parameter {name!r}; the EMA teacher must mirror the policy")
-            param.lerp_(source.detach().to(param.dtype), self.rate)
+            if _is_dtensor(param) != _is_dtensor(source):
+                raise ValueError(
+                    f"the EMA teacher's {name!r} and the policy's are not sharded alike (one is an FSDP2 DTensor); "
+                    "shard the teacher with EmaTeacher.shard once the policy is sharded"
+                )
+            own, theirs = _local(param), _local(source.detach())
+            if own.shape != theirs.shape:
+                raise ValueError(
+                    f"the EMA teacher's shard of {name!r} is {tuple(own.shape)}, the policy's {tuple(theirs.shape)}; "
+                    "both must be sharded over the same mesh"
+                )
+            own.lerp_(theirs.to(own.dtype), self.rate)
+
+    def _reshard(self) -> None:
+        """Sharded: put every FSDP2 unit of the copy back to its sharded parameters (a forward that keeps them
+        gathered would otherwise hide the shards the EMA step and the checkpoint read)."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 class AdapterEmaTeacher:

@@ -67,6 +67,7 @@ from crf_core.channels import (
     token_mean,
 )
 from crf_core.channels.grpo import TermFactory
+from crf_core.channels.head import is_sharded
 from crf_core.channels.sdpo import sdpo_targets
 from crf_core.trainer._trl_contract import (
     GENERATION_OUTPUT_KEYS,
@@ -86,6 +87,7 @@ from crf_core.trainer.pairs import (
 )
 from crf_core.trainer.reprompt import PromptLike, build_reprompts
 from crf_core.trainer.sdpo_routing import route_samples
+from crf_core.trainer.sharding import check_sharding
 from crf_core.trainer.startup import ChannelCost, parameter_bytes, startup_line
 from crf_core.trainer.state import STATE_FILE, ChannelState, config_mismatch
 from crf_core.trainer.teacher import AdapterEmaTeacher, EmaTeacher, is_peft_model
@@ -175,6 +177,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_trainer_attributes(self)
+        adapter_teacher = args.sdpo_weight > 0 and args.sdpo_teacher == "ema"
+        check_sharding(
+            self.accelerator.state,
+            adapter_ema_teacher=adapter_teacher and is_peft_model(self.accelerator.unwrap_model(self.model)),
+        )
         self.composer_args: ComposerConfig = args
         self._chunk_plan = args.chunk_plan()
         # TRL's regime for every forward of every channel: the accelerator's autocast, cast_lm_head_to_fp32 honoured
@@ -210,9 +217,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
             logger.info(startup_line(self.channel_costs, off))
 
     def _start_channels(self) -> None:
-        """At the start of training: one EMA self-teacher on every rank."""
-        if self.sdpo_teacher is not None:
-            self.sdpo_teacher.synchronise()
+        """At the start of training: one EMA self-teacher on every rank (FSDP2: sharded like the policy)."""
+        teacher = self.sdpo_teacher
+        if teacher is not None:
+            teacher.synchronise()
+            policy = self.accelerator.unwrap_model(self.model)
+            if isinstance(teacher, EmaTeacher) and is_sharded(policy):  # FSDP2: shard it like the policy
+                teacher.shard(self.accelerator)
 
     def _advance_channels(self, global_step: int, max_steps: int) -> None:
         """After every optimizer step: move the EMA self-teacher, advance TAID's schedule on the step's mean loss."""
@@ -560,16 +571,20 @@ class ComposerReplicationTrainer(GRPOTrainer):
             if key not in inputs:
                 raise KeyError(f"the batch has no {key!r}: it was not produced by ComposerReplicationTrainer")
         signal = inputs["sdpo_mask"] > 0
-        if not bool(signal.any()):
-            return None
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        teacher_ids = torch.cat([inputs["sdpo_teacher_prompt_ids"], completion_ids], dim=1)
+        teacher_mask = torch.cat([inputs["sdpo_teacher_prompt_mask"], completion_mask], dim=1)
+        if not bool(signal.any()):
+            if self.is_fsdp_enabled:  # the teacher's forward gathers sharded weights: every rank must run it
+                self.teacher_states(model, teacher_ids[:1], teacher_mask[:1])
+            return None
         token_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         targets = sdpo_targets(
             completion_ids,
             signal,
             teacher=lambda ids, mask: self.teacher_states(model, ids, mask),
-            teacher_input_ids=torch.cat([inputs["sdpo_teacher_prompt_ids"], completion_ids], dim=1),
-            teacher_attention_mask=torch.cat([inputs["sdpo_teacher_prompt_mask"], completion_mask], dim=1),
+            teacher_input_ids=teacher_ids,
+            teacher_attention_mask=teacher_mask,
             old_logprobs=inputs.get("old_per_token_logps"),
             taid_t=None if self.taid_schedule is None else self.taid_schedule.t,
             weights=token_mask * signal[:, None],
@@ -595,7 +610,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         with context as teacher_model, torch.no_grad():
             # Under PEFT the head is the frozen base's (AdapterEmaTeacher checks), so it may project later.
             teacher = LMHead(teacher_model, self._chunk_plan, temperature=self.temperature, precision=self._precision)
-            return teacher, teacher.states(input_ids, attention_mask)
+            states = teacher.states(input_ids, attention_mask)
+            teacher.gather()  # a sharded teacher's head, gathered here on every rank (it projects later, lazily)
+            return teacher, states
 
     def _sdpo_loss(
         self, model: Any, inputs: Mapping[str, Any], step: _SDPOStep, scores: CompletionScores | None = None
@@ -814,11 +831,15 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
+        sharded = isinstance(self.sdpo_teacher, EmaTeacher) and self.sdpo_teacher.sharded
+        if not (self.args.should_save or sharded):
+            return
+        state = self.channel_state()  # sharded: on every rank, the EMA teacher gathers its state (a collective)
         if self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
-            self.channel_state().save(folder)
+            state.save(folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
