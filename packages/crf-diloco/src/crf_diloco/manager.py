@@ -14,7 +14,6 @@ any member not listed here, so a torchft upgrade that needs more fails loudly.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -24,10 +23,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from crf_diloco.allreduce import ObjectStoreAllReduce
-from crf_diloco.checkpoint import dumps_state, loads_state
-from crf_diloco.errors import AllReduceError, CorruptObjectError, HealError, PayloadMismatchError
-from crf_diloco.layout import parse_state_key, state_key
-from crf_diloco.wire import read_header
+from crf_diloco.errors import AllReduceError, PayloadMismatchError
+from crf_diloco.healing import MANAGER_KEY, plan_heal
 
 __all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork"]
 
@@ -45,7 +42,6 @@ DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
     "should_commit",
     "start_quorum",
 )
-_KEEP_STATES = 3
 
 
 class _FlushingFuture(torch.futures.Future[Any]):
@@ -199,6 +195,7 @@ class MockManager:
         self._observe_next = False
         self._stale = False
         self._participants: list[int] = []
+        self._snapshots = allreduce.snapshots()
 
     # -- identity / quorum -------------------------------------------------------------------
     @property
@@ -245,7 +242,7 @@ class MockManager:
     ) -> None:
         if not isinstance(key, str) or not key:
             raise ValueError(f"state dict key must be a non-empty str, got {key!r}")
-        if key in self._load_fns or key == "torchft":
+        if key in self._load_fns or key == MANAGER_KEY:
             raise ValueError(f"state dict key {key!r} is already registered")
         self._load_fns[key] = load_state_dict
         self._save_fns[key] = state_dict
@@ -408,38 +405,15 @@ class MockManager:
         """Write a due checkpoint; the allreduce itself is left to its owner."""
         self._write_checkpoint_if_due()
 
-    # -- checkpoints & healing -----------------------------------------------------------------
+    # -- checkpoints & healing (crf_diloco.healing) ---------------------------------------------------------
     def _state(self, round_id: int) -> dict[str, Any]:
         state: dict[str, Any] = {key: fn() for key, fn in self._save_fns.items()}
-        state["torchft"] = {**self.state_dict(), "round": round_id}
+        state[MANAGER_KEY] = {**self.state_dict(), "round": round_id}
         return state
 
     def _write_state(self, round_id: int) -> None:
-        if not self._save_fns:
-            return
-        store, key = self._allreduce.store, state_key(round_id)
-        store.put_create(key, dumps_state(self._state(round_id), key, self._allreduce.auth))
-        self._collect_states(round_id)
-
-    def _collect_states(self, round_id: int) -> None:
-        """Keep the `_KEEP_STATES` newest authentic states up to ``round_id`` (the one just written) and delete the
-        authentic ones before them. Only states whose header authenticates are counted or deleted, none after
-        ``round_id``: junk named like a state (``state/r99999999.safetensors``) is neither kept in place of a real
-        checkpoint nor deleted."""
-        store, auth = self._allreduce.store, self._allreduce.auth
-        rounds = sorted((r for r in map(parse_state_key, store.list_names("state")) if r is not None and r <= round_id),
-                        reverse=True)  # fmt: skip
-        kept = 0
-        for r in rounds:
-            try:
-                header = read_header(store, state_key(r), auth)
-            except (FileNotFoundError, CorruptObjectError):
-                continue
-            if header.metadata.get("kind") != "state":
-                continue
-            kept += 1
-            if kept > _KEEP_STATES:
-                store.remove_tree(state_key(r))
+        if self._save_fns:
+            self._snapshots.write(round_id, self._state(round_id))
 
     def _write_checkpoint_if_due(self) -> None:
         if self._checkpoint_due is None:
@@ -457,99 +431,32 @@ class MockManager:
         if not self._checkpoint or r is None or not self._save_fns or self._stale:
             return
         try:
-            if not self._allreduce.store.exists(state_key(r)):
+            if not self._snapshots.exists(r):
                 self._write_state(r)
         except AllReduceError as e:
             logger.warning("could not write the checkpoint of round %d: %s", r, e)
 
-    def _read_state(self, round_id: int) -> dict[str, Any] | None:
-        """The authentic state written after ``round_id`` committed (``None`` if absent); `CorruptObjectError` if
-        the object is not authentic or malformed."""
-        key = state_key(round_id)
-        blob = self._allreduce.store.try_get(key)
-        if blob is None:
-            return None
-        state = loads_state(blob, key, self._allreduce.auth)
-        meta = state.get("torchft")
-        fields = ("round", "step", "batches_committed")
-        if not isinstance(meta, dict) or not all(type(meta.get(f)) is int for f in fields) or meta["round"] != round_id:
-            raise CorruptObjectError(
-                f"{key}: its torchft record is not round {round_id}'s {{round, step, batches_committed}}"
-            )
-        missing = sorted(set(self._load_fns) - set(state))
-        if missing:
-            raise HealError(
-                f"{key} has no state for {missing} (has {sorted(state)}): the replicas register different state"
-            )
-        return state
-
     def _maybe_heal(self) -> None:
-        """Load the last committed state if this replica is behind the store, then observe one round.
-
-        Only authentic state is loaded. If the latest committed round's state is corrupt or forged (it can never be
-        replaced: objects are create-only), or does not appear within ``heal_timeout``, the replica falls back to
-        the newest authentic earlier state, stays an observer and heals again once a newer committed state exists.
-        """
+        """Load the last committed state if this replica is behind the store, then observe one round
+        (`crf_diloco.healing.plan_heal` says what to load)."""
         if self._allreduce.world_size == 1:
             return
-        deadline = time.monotonic() + self._heal_timeout
-        while True:
-            # frontier first: every round between the latest commit read afterwards and it aborted
-            frontier = self._allreduce.frontier()
-            latest = self._allreduce.latest_committed_round()
-            if latest is None or (latest == self._last_committed_round and not self._stale):
-                return
-            if not self._load_fns:
-                raise HealError(
-                    f"rank {self.rank} is behind the store (last committed round {latest}) but no state is "
-                    "registered to load; use MockManager with torchft DiLoCo (it registers its state)"
-                )
-            try:
-                state = self._read_state(latest)
-            except CorruptObjectError as e:
-                logger.warning("rank %d cannot heal from round %d: %s", self.rank, latest, e)
-                break
-            if state is not None:
-                self._load(latest, state, frontier, stale=False)
-                return
-            if time.monotonic() > deadline:  # its writer may have died: others write it at start_quorum
-                logger.warning(
-                    "rank %d: the state of committed round %d (%s) did not appear within %.1fs",
-                    self.rank, latest, state_key(latest), self._heal_timeout,
-                )  # fmt: skip
-                break
-            time.sleep(self._allreduce.poll_interval)
-        self._fall_back(latest, frontier)
-
-    def _fall_back(self, latest: int, frontier: int) -> None:
-        """Load the newest authentic state older than ``latest`` (and newer than this replica's own), stay behind."""
-        own = self._last_committed_round if self._last_committed_round is not None else -1
-        names = self._allreduce.store.list_names("state")
-        for r in sorted((r for r in map(parse_state_key, names) if r is not None and own < r < latest), reverse=True):
-            try:
-                state = self._read_state(r)
-            except CorruptObjectError as e:
-                logger.warning("rank %d skips a checkpoint: %s", self.rank, e)
-                continue
-            if state is not None:
-                self._load(r, state, frontier, stale=True)
-                return
-        if self._last_committed_round is None and not self._stale:
-            raise HealError(
-                f"rank {self.rank} is behind the store (last committed round {latest}) and found no authentic "
-                "committed state to load; check that every replica runs with the run's CRF_DILOCO_SECRET"
-            )
-        self._stale = True  # keep this replica's own (older) state; heal once a newer committed state exists
-        self._allreduce.join(frontier)
+        heal = plan_heal(
+            self._allreduce,
+            last_committed=self._last_committed_round,
+            stale=self._stale,
+            registered=set(self._load_fns),
+            timeout=self._heal_timeout,
+        )
+        if heal is None:
+            return
+        if heal.state is not None and heal.round_id is not None:
+            for key, load_fn in self._load_fns.items():
+                load_fn(heal.state[key])
+            self.load_state_dict(heal.state[MANAGER_KEY])
+            self._last_committed_round = heal.round_id
+            how = "falling back to an earlier committed state" if heal.stale else "in step with the store"
+            logger.info("rank %d healed from round %d (step %d), %s", self.rank, heal.round_id, self._step, how)
+        self._stale = heal.stale  # stale: heal again once a newer committed state exists
+        self._allreduce.join(heal.frontier)
         self._observe_next = True
-
-    def _load(self, round_id: int, state: dict[str, Any], frontier: int, *, stale: bool) -> None:
-        for key, load_fn in self._load_fns.items():
-            load_fn(state[key])
-        self.load_state_dict(state["torchft"])
-        self._last_committed_round = round_id
-        self._stale = stale
-        self._allreduce.join(frontier)
-        self._observe_next = True
-        how = "falling back to an earlier committed state" if stale else "in step with the store"
-        logger.info("rank %d healed from round %d (step %d), %s", self.rank, round_id, self._step, how)
