@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +17,8 @@ import torch
 from fsspec import AbstractFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
+
+sys.path.insert(0, str(Path(__file__).parent))  # test support modules beside this file (s3_server, wan_proxy)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -223,32 +225,13 @@ def overwriting_store() -> Iterator[type[OverwritingFileSystem]]:
 @pytest.fixture(scope="module")
 def moto_s3() -> Iterator[dict[str, Any]]:
     """A moto S3 server on 127.0.0.1 (free port) with one bucket; yields ``bucket`` and ``storage_options``."""
-    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("boto3")
     pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        bucket = "crf-diloco-test"
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        ).create_bucket(Bucket=bucket)
-        options = {
-            "key": "testing",
-            "secret": "testing",
-            "endpoint_url": endpoint,
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
-        yield {"bucket": bucket, "storage_options": options, "endpoint": endpoint}
-    finally:
-        server.stop()
+    pytest.importorskip("moto.server")
+    from s3_server import moto_s3_server
+
+    with moto_s3_server() as s3:
+        yield {"bucket": s3.bucket, "storage_options": s3.storage_options(), "endpoint": s3.endpoint}
 
 
 # -- outputs of replica_scripts/diloco_replica.py ------------------------------------------------------------------

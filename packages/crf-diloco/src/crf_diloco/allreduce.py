@@ -183,6 +183,7 @@ class ObjectStoreAllReduce:
         self._store_checked = False
         self._layout_ok = False
         self._expected: set[int] | None = None
+        self._announcers: tuple[QuorumRecord | None, concurrent.futures.Future[set[int]]] | None = None
         self._open: list[Round] = []
         self._closed = False
         self._residuals: dict[str, torch.Tensor] = {}
@@ -546,14 +547,19 @@ class ObjectStoreAllReduce:
         done: set[int] = set()
         try:
             if mine:
-                self._peer.check_not_collected(keys, rnd.settings.keep_rounds)  # never re-create a collected round
-                feedback = None
-                if plan.spec.error_feedback:
-                    feedback = residual_of(flat, plan.codec, self.rank)
-                    rnd.staged = (stream_key(spec), feedback)
-                key = keys.data(self.rank)
-                meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
-                reduce_phase.contribute(self._peer, rnd, encode_payload(key, self.auth, flat, plan, meta))
+                # never re-create a collected round: checked while the payload is encoded, before it is written
+                collected = self._peer.read(self._peer.check_not_collected, keys, rnd.settings.keep_rounds)
+                try:
+                    feedback = None
+                    if plan.spec.error_feedback:
+                        feedback = residual_of(flat, plan.codec, self.rank)
+                        rnd.staged = (stream_key(spec), feedback)
+                    key = keys.data(self.rank)
+                    meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
+                    blob = encode_payload(key, self.auth, flat, plan, meta)
+                finally:
+                    collected.result()
+                reduce_phase.contribute(self._peer, rnd, blob)
                 shard = participants.index(self.rank)
                 self._reduce_shard(rnd, shard, flat, feedback)
                 done.add(shard)
@@ -614,24 +620,36 @@ class ObjectStoreAllReduce:
     def _finish(
         self, rnd: Round, outcome: Literal["commit", "abort"], reason: str, participated: bool | None = None
     ) -> None:
-        """Record the round's outcome, learn who the next round expects, and collect an old round (lowest
-        participant only, in the background)."""
+        """Record the round's outcome, start learning who the next round expects (its announcers, listed in the
+        background), and collect an old round (lowest participant only, in the background)."""
         participants = list(rnd.participants)
         if participated is None:
             participated = self.rank in participants
         self.last_round = RoundInfo(rnd.round_id, outcome, participants, participated, reason)
-        try:
-            names = self.store.list_names(rnd.keys.members_dir)
-        except AllReduceError:
-            names = []
-        announced = set(ranks_named(names, self.world_size))
-        if rnd.quorum is not None:  # the next round expects this one's participants and announcers
-            self._expected = ((set(participants) | announced) - set(rnd.quorum.rejected)) or None
-        elif self._expected is not None:  # aborted before its quorum: who was expected still is
-            self._expected |= announced
+        self._learn_expected()  # the previous round's, before this one's
+        self._announcers = (rnd.quorum, self._peer.read(self._announced, rnd.keys))
         keep = self.keep_rounds
         if participants and self.rank == min(participants) and rnd.round_id >= keep:
             self._peer.submit(run_frontier.collect, self._peer, rnd.round_id - keep, keep)
+
+    def _announced(self, keys: RoundKeys) -> set[int]:
+        """The ranks that announced in a round (none when the store cannot list them)."""
+        try:
+            return set(ranks_named(self.store.list_names(keys.members_dir), self.world_size))
+        except AllReduceError:
+            return set()
+
+    def _learn_expected(self) -> set[int] | None:
+        """The replicas the next round waits for: the last round's participants and announcers (all ranks before
+        any round; after a round aborted before its quorum, who was expected and who announced)."""
+        if self._announcers is not None:
+            (quorum, listing), self._announcers = self._announcers, None
+            announced = listing.result()
+            if quorum is not None:
+                self._expected = ((set(quorum.participants) | announced) - set(quorum.rejected)) or None
+            elif self._expected is not None:
+                self._expected |= announced
+        return self._expected
 
     # -- the steps tests and subclasses hook (each one call into its phase) ------------------------------
     def _announce(self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
@@ -640,7 +658,7 @@ class ObjectStoreAllReduce:
 
     def _await_quorum(self, keys: RoundKeys, stale_self: bool) -> QuorumRecord:
         """`crf_diloco.rounds.quorum.await_quorum` with the replicas this round expects."""
-        return quorum_phase.await_quorum(self._peer, keys, self._settings(), self._expected, stale_self)
+        return quorum_phase.await_quorum(self._peer, keys, self._settings(), self._learn_expected(), stale_self)
 
     def _check_spec(self, rnd: Round) -> None:
         """`PayloadMismatchError` (this replica alone) when the round settled on another payload than its own."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -19,7 +20,8 @@ __all__ = ["gather"]
 def gather(peer: Peer, rnd: Round, done: set[int], cover: Callable[[int], None] | None) -> torch.Tensor:
     """Read every reduced shard not in ``done`` into the result buffer and return it.
 
-    ``cover(shard)`` computes and creates a missing shard; it is called for the lowest missing one once
+    Every missing shard is read at once, with the round's decision beside them (one round trip per poll over a
+    network). ``cover(shard)`` computes and creates a missing shard; it is called for the lowest missing one once
     ``straggler_grace`` seconds of the data phase passed (``None``: never cover, e.g. a replica following a commit).
     Raises when the round was decided meanwhile, one of this round's writes failed, a shard is corrupt, or the data
     deadline passed with shards missing (`RoundFailure`)."""
@@ -29,20 +31,31 @@ def gather(peer: Peer, rnd: Round, done: set[int], cover: Callable[[int], None] 
     contributors = json.dumps(list(quorum.participants))
     done = set(done)
 
+    def read(k: int) -> bool:
+        lo, hi = plan.elem_range(k)
+        try:
+            read_reduced(peer.store, keys.reduced(k), peer.auth, plan, k, result[lo:hi], peer.scratch_for(f"shard-{k}"),
+                         token=token, round=str(keys.round_id), contributors=contributors)  # fmt: skip
+        except FileNotFoundError:
+            return False
+        return True
+
+    def check_decided() -> bool:
+        peer.check_decided(keys, rnd.settings.keep_rounds)
+        return False
+
     def probe(late: bool) -> torch.Tensor | None:
-        for k in range(plan.n_shards):
-            if k in done:
-                continue
-            lo, hi = plan.elem_range(k)
-            try:
-                read_reduced(peer.store, keys.reduced(k), peer.auth, plan, k, result[lo:hi], peer.scratch,
-                             token=token, round=str(keys.round_id), contributors=contributors)  # fmt: skip
-            except FileNotFoundError:
-                continue
-            done.add(k)
+        missing = [k for k in range(plan.n_shards) if k not in done]
+        *found, decided = peer.outcomes([*(partial(read, k) for k in missing), check_decided])
+        for k, ok in zip(missing, found, strict=True):
+            if isinstance(ok, BaseException):
+                raise ok
+            if ok:
+                done.add(k)
         if len(done) == plan.n_shards:
             return result
-        peer.check_decided(keys, rnd.settings.keep_rounds)
+        if isinstance(decided, BaseException):
+            raise decided  # the round ended while a shard is missing
         rnd.check_writes()
         if late:
             missing = sorted(set(range(plan.n_shards)) - done)

@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from crf_diloco.auth import Authenticator
@@ -19,10 +19,15 @@ from crf_diloco.store import ObjectStore
 from crf_diloco.strictjson import parse_json_object
 from crf_diloco.wire import Scratch
 
-__all__ = ["MAX_RECORD", "Peer"]
+__all__ = ["MAX_RECORD", "READERS", "Peer"]
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
+T = TypeVar("T")
+#: background writer threads (payload, reduced shard, collection of an old round)
+WRITERS = 4
+#: threads that read at once (payload slices, reduced shards, records polled together)
+READERS = 16
 #: the largest sealed JSON record a replica reads
 MAX_RECORD = 1 << 20
 
@@ -50,8 +55,11 @@ class Peer:
         self.needs_join = True
         #: reusable buffers of this replica's rounds (payload staging, result, read scratch)
         self.scratch = Scratch()
+        self._scratches: dict[str, Scratch] = {}
         self._bad_decisions: set[int] = set()
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reader_prefix = f"crf-diloco-{rank}-{id(self):x}-read"
         self._pool_lock = threading.Lock()
 
     # -- background writes -----------------------------------------------------------------------------
@@ -59,16 +67,54 @@ class Peer:
         """Run ``fn(*args)`` on this replica's background writer threads."""
         with self._pool_lock:
             if self.pool is None:
-                self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"crf-diloco-{self.rank}")
+                self.pool = concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix=f"crf-diloco-{self.rank}")
             return self.pool.submit(fn, *args)
 
-    def close(self) -> None:
-        """Finish the background writes and stop their threads."""
+    def read(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Start ``fn(*args)`` (a read) on this replica's reader threads, so that reads overlap: over a network a
+        round costs one round trip per *sequential* request, however many run at once."""
         with self._pool_lock:
-            pool, self.pool = self.pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            if self._readers is None:
+                self._readers = concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix=self._reader_prefix)
+            return self._readers.submit(fn, *args)
+
+    def concurrently(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run ``calls`` at once (the first on this thread) and return their results in order; the first exception
+        in that order is raised once all of them ended."""
+        outcomes = self.outcomes(calls)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
+    def outcomes(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run ``calls`` at once (the first on this thread) and return, in order, each one's result or exception.
+        Called from a reader thread, they run one after the other (a reader never waits for its own pool)."""
+        if threading.current_thread().name.startswith(self._reader_prefix):
+            return [_call_outcome(call) for call in calls]
+        futures = [self.read(call) for call in calls[1:]]
+        first: list[Any] = []
+        try:
+            first.append(calls[0]())
+        except Exception as exc:
+            first.append(exc)
+        concurrent.futures.wait(futures)
+        return first + [_outcome(f) for f in futures]
+
+    def scratch_for(self, name: str) -> Scratch:
+        """Buffers of one concurrent reader (``name``: e.g. the rank whose slice it reads), reused across rounds."""
+        with self._pool_lock:
+            return self._scratches.setdefault(name, Scratch())
+
+    def close(self) -> None:
+        """Finish the background writes and reads and stop their threads."""
+        with self._pool_lock:
+            pools, self.pool, self._readers = (self.pool, self._readers), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.scratch.clear()
+        self._scratches.clear()
 
     # -- sealed records ----------------------------------------------------------------------------------
     def read_record(self, key: str, parse: Callable[[Any, str], R]) -> R | None:
@@ -149,3 +195,15 @@ class Peer:
         if not decision.committed:
             return RoundAbortedError(f"round {keys.round_id} aborted and has been collected: {behind}")
         return RoundDesyncError(f"round {keys.round_id} committed and has been collected: {behind}")
+
+
+def _call_outcome(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as exc:
+        return exc
+
+
+def _outcome(future: concurrent.futures.Future[Any]) -> Any:
+    error = future.exception()
+    return error if error is not None else future.result()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
+from functools import partial
 
 from crf_diloco.layout import RoundKeys
 from crf_diloco.records import MemberRecord, PayloadSpec, QuorumRecord, ranks_named
@@ -34,23 +35,36 @@ def await_quorum(
     want = expected if expected is not None else set(range(peer.world_size))
 
     def probe(late: bool) -> QuorumRecord | None:
-        quorum = peer.read_quorum(keys.round_id)
+        # one wave: the quorum, the decision, the listing and the expected announcements not read yet
+        unread = sorted(want - set(members))
+        quorum, decided, names, *records = peer.outcomes([
+            partial(peer.read_quorum, keys.round_id),
+            partial(peer.check_decided, keys, settings.keep_rounds),
+            partial(peer.store.list_names, keys.members_dir),
+            *(partial(peer.read_member, keys, r) for r in unread),
+        ])  # fmt: skip
+        if isinstance(quorum, BaseException):
+            raise quorum
         if quorum is not None:
             return quorum
-        peer.check_decided(keys, settings.keep_rounds)
+        if isinstance(decided, BaseException):
+            raise decided
         if stale_self:
             raise RoundFailure(
                 f"round {keys.round_id} holds a member record of another incarnation of rank {peer.rank}"
             )
-        for rank in ranks_named(peer.store.list_names(keys.members_dir), peer.world_size):
-            if rank not in members:
-                record = peer.read_member(keys, rank)
-                if record is not None:
-                    members[rank] = record
+        if isinstance(names, BaseException):
+            raise names
+        listed = [r for r in ranks_named(names, peer.world_size) if r not in members and r not in unread]
+        records += peer.outcomes([partial(peer.read_member, keys, r) for r in listed]) if listed else []
+        for rank, record in zip([*unread, *listed], records, strict=True):
+            if isinstance(record, BaseException):
+                raise record
+            if record is not None:
+                members[rank] = record
         announced = {r for r, m in members.items() if not m.observer}
         if want <= announced or late:
-            propose(peer, keys, settings, members, announced)
-            return peer.read_quorum(keys.round_id)
+            return propose(peer, keys, settings, members, announced) or peer.read_quorum(keys.round_id)
         return None
 
     return poll_until(time.monotonic() + settings.quorum_timeout, probe, interval=settings.poll_interval)
@@ -58,9 +72,10 @@ def await_quorum(
 
 def propose(
     peer: Peer, keys: RoundKeys, settings: RoundSettings, members: dict[int, MemberRecord], announced: set[int]
-) -> None:
-    """Create the round's quorum from the announcements (first writer wins), or `RoundFailure` when an announcer
-    vetoed or too few announced a matching payload. The round's spec is the one most announcers share (ties: the
+) -> QuorumRecord | None:
+    """Create the round's quorum from the announcements and return the one that stands (read beside the write, so
+    one round trip settles it; ``None`` if that read missed another replica's, which came first); `RoundFailure`
+    when an announcer vetoed or too few announced a matching payload. The round's spec is the one most announcers share (ties: the
     lowest rank's); announcers of another spec are ``rejected``."""
     vetoes = [f"rank {r} vetoed round {keys.round_id}: {members[r].veto}" for r in sorted(announced) if members[r].veto]
     if vetoes:
@@ -90,4 +105,12 @@ def propose(
         rejected,
         world_size=peer.world_size,
     )
-    peer.write_record(keys.quorum, record)
+    created, found = peer.outcomes([partial(peer.write_record, keys.quorum, record),
+                                    partial(peer.read_quorum, keys.round_id)])  # fmt: skip
+    if isinstance(created, BaseException):
+        raise created
+    if created:
+        return record
+    if isinstance(found, BaseException):
+        raise found
+    return found

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -14,17 +16,22 @@ from crf_diloco.rounds.round import Round, RoundFailure, poll_until, why
 from crf_diloco.wire import (
     Blob,
     Header,
+    Prefetch,
     Scratch,
     check_payload_header,
     encode_reduced,
-    header_probe,
+    payload_data_start,
+    prefetch_payload_shard,
     read_header,
     read_payload_shard,
     read_reduced,
     wire_roundtrip,
 )
 
-__all__ = ["await_payload", "blame", "contribute", "reduce_shard", "result_buffer"]
+__all__ = ["blame", "contribute", "fetch_slices", "payload_header", "reduce_shard", "result_buffer"]
+
+#: the reads of one shard's slices, by rank
+Slices = dict[int, "concurrent.futures.Future[torch.Tensor]"]
 
 
 def result_buffer(scratch: Scratch, numel: int) -> torch.Tensor:
@@ -46,28 +53,82 @@ def contribute(peer: Peer, rnd: Round, blob: Blob) -> None:
     rnd.pending.append(peer.submit(create))
 
 
-def await_payload(peer: Peer, rnd: Round, rank: int) -> Header:
-    """The authenticated header of ``rank``'s payload in this round attempt, polled until the data deadline."""
+def payload_header(peer: Peer, rnd: Round, rank: int) -> Header | None:
+    """The authenticated header of ``rank``'s payload in this round attempt, ``None`` while it is absent;
+    `RoundFailure` for an object of another attempt, `CorruptObjectError` for a malformed one."""
     quorum, keys = rnd.formed, rnd.keys
     key = keys.data(rank)
+    try:
+        header = read_header(peer.store, key, peer.auth, payload_data_start(quorum.plan))
+    except FileNotFoundError:
+        return None
+    if header.metadata.get("token") != quorum.token:
+        raise RoundFailure(f"{key} belongs to another round attempt (stale object)")
+    check_payload_header(header, quorum.plan, rank=str(rank), round=str(keys.round_id))
+    return header
 
-    def probe(late: bool) -> Header | None:
-        try:
-            header = read_header(peer.store, key, peer.auth, header_probe(len(quorum.participants)))
-        except FileNotFoundError:
-            header = None
-        if header is not None:
-            if header.metadata.get("token") != quorum.token:
-                raise RoundFailure(f"{key} belongs to another round attempt (stale object)")
-            check_payload_header(header, quorum.plan, rank=str(rank), round=str(keys.round_id))
-            return header
-        peer.check_decided(keys, rnd.settings.keep_rounds)
+
+def fetch_slices(peer: Peer, rnd: Round, shard: int, ranks: list[int], first_into: torch.Tensor | None) -> Slices:
+    """Start reading slice ``shard`` of each of ``ranks``' payloads as soon as it appears; returns the reads (one
+    future per rank) once every payload is there.
+
+    All payloads are polled at once, with the round's decision beside them: `RoundFailure` when the data deadline
+    passes first. Over a network each poll also reads the slice where this version's writer puts it
+    (`crf_diloco.wire.prefetch_payload_shard`), so header and slice take one round trip; the bytes count only once
+    the authenticated header puts them there and their tag verifies. ``first_into``: where the first rank's fp32
+    slice lands (the result buffer), to save a copy."""
+    plan, keys, settings = rnd.plan, rnd.keys, rnd.settings
+    speculate = peer.store.remote  # a local read costs no round trip: read once the header is known
+    reads: Slices = {}
+    kept: dict[int, Prefetch] = {}
+
+    def where(rank: int) -> tuple[Scratch, torch.Tensor | None]:
+        return peer.scratch_for(f"slice-{rank}"), first_into if rank == ranks[0] else None
+
+    def read_slice(rank: int, header: Header, prefetched: Prefetch | None) -> torch.Tensor:
+        scratch, out = where(rank)
+        return read_payload_shard(peer.store, header, peer.auth, plan, shard, scratch, out=out, prefetched=prefetched,
+                                  run=peer.concurrently)  # fmt: skip
+
+    def probe(late: bool) -> Slices | None:
+        missing = [r for r in ranks if r not in reads]
+        calls: list[Callable[[], object]] = [partial(payload_header, peer, rnd, r) for r in missing]
+        spans: dict[int, tuple[int, int, Prefetch]] = {}  # a rank's prefetch calls' positions in `calls`
+        for r in missing if speculate else []:
+            if r not in kept:
+                fills, prefetched = prefetch_payload_shard(peer.store, keys.data(r), plan, shard, *where(r))
+                spans[r] = (len(calls), len(calls) + len(fills), prefetched)
+                calls += fills
+        *found, decided = peer.outcomes([*calls, partial(_check_decided, peer, rnd)])
+        for r, (first, last, prefetched) in spans.items():
+            if all(ok is True for ok in found[first:last]):  # objects are never rewritten: bytes read stay theirs
+                kept[r] = prefetched
+        for r, header in zip(missing, found, strict=False):
+            if isinstance(header, BaseException):
+                raise header
+            if header is not None:
+                reads[r] = peer.read(read_slice, r, header, kept.get(r))
+        if len(reads) < len(ranks) and isinstance(decided, BaseException):
+            raise decided  # the round ended while a payload is missing
+        if len(reads) == len(ranks):
+            return reads
         rnd.check_writes()
         if late:
-            raise RoundFailure(f"{key} did not appear within {rnd.settings.timeout:.1f}s")
+            key = keys.data(min(set(ranks) - set(reads)))
+            raise RoundFailure(f"{key} did not appear within {settings.timeout:.1f}s")
         return None
 
-    return poll_until(rnd.deadline, probe, interval=rnd.settings.poll_interval)
+    if not ranks:
+        return reads
+    try:
+        return poll_until(rnd.deadline, probe, interval=settings.poll_interval)
+    except BaseException:
+        concurrent.futures.wait(reads.values())  # nothing reads into this replica's buffers once it gives up
+        raise
+
+
+def _check_decided(peer: Peer, rnd: Round) -> None:
+    peer.check_decided(rnd.keys, rnd.settings.keep_rounds)
 
 
 def reduce_shard(
@@ -75,26 +136,32 @@ def reduce_shard(
 ) -> None:
     """Sum shard ``shard`` over all participants in order into the result buffer and create its object.
 
-    ``own``: this replica's flat contribution when it is a participant (its slice is taken as others decode it).
-    ``feedback``: the shard owner's staged residual (error-feedback codecs); the broadcast leg's loss (the exact
-    reduction minus what its codec delivers, in sum units: times the participants for ``avg``) is added to it over
-    the shard's elements, so the next round's contribution of the owner carries it."""
+    The slices of the other participants are read at once; the sum runs in participant order (so any replica
+    computing this shard gets the same bits). ``own``: this replica's flat contribution when it is a participant
+    (its slice is taken as others decode it). ``feedback``: the shard owner's staged residual (error-feedback
+    codecs); the broadcast leg's loss (the exact reduction minus what its codec delivers, in sum units: times the
+    participants for ``avg``) is added to it over the shard's elements, so the next round's contribution of the
+    owner carries it."""
     quorum, keys = rnd.formed, rnd.keys
     plan, participants, token = quorum.plan, quorum.participants, quorum.token
     lo, hi = plan.elem_range(shard)
     acc = result_buffer(peer.scratch, plan.numel)[lo:hi]
-    for i, r in enumerate(participants):
-        if r == peer.rank and own is not None:
-            values = wire_roundtrip(own[lo:hi], plan.codec)  # exactly what others decode from our object
-        else:
-            header = await_payload(peer, rnd, r)
-            out = acc if i == 0 else None
-            values = read_payload_shard(peer.store, header, peer.auth, plan, shard, peer.scratch, out=out)
-        if i == 0:
-            if values.data_ptr() != acc.data_ptr():
-                acc.copy_(values)
-        else:
-            acc.add_(values)
+    ranks = [r for r in participants if not (r == peer.rank and own is not None)]
+    into = acc if ranks and ranks[0] == participants[0] else None
+    reads = fetch_slices(peer, rnd, shard, ranks, into)
+    try:
+        for i, r in enumerate(participants):
+            if r == peer.rank and own is not None:
+                values = wire_roundtrip(own[lo:hi], plan.codec)  # exactly what others decode from our object
+            else:
+                values = reads[r].result()
+            if i == 0:
+                if values.data_ptr() != acc.data_ptr():
+                    acc.copy_(values)
+            else:
+                acc.add_(values)
+    finally:
+        concurrent.futures.wait(reads.values())
     if quorum.spec.op == "avg":
         acc /= len(participants)
     if count_nonfinite(acc):

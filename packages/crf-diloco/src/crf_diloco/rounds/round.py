@@ -105,16 +105,19 @@ def poll_until(deadline: float, probe: Callable[[bool], T | None], *, interval: 
     """Call ``probe(late)`` until it returns something other than ``None``, and return that.
 
     ``late`` is True once ``deadline`` (a `time.monotonic` value) has passed: the probe decides what that means (raise
-    naming what did not appear, or act, e.g. propose a quorum). Between calls the pause grows from 2 ms by 1.5× up to
-    ``interval`` seconds, with ±25 % jitter so that replicas do not poll in lockstep."""
+    naming what did not appear, or act, e.g. propose a quorum). Between the starts of two calls at least a pause
+    that grows from 2 ms by 1.5x up to ``interval`` seconds, with +-25 % jitter so that replicas do not poll in
+    lockstep; a probe that took longer (a network round trip) is followed at once."""
     if not interval > 0:
         raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
     attempt = 0
     while True:
-        found = probe(time.monotonic() > deadline)
+        began = time.monotonic()
+        found = probe(began > deadline)
         if found is not None:
             return found
-        time.sleep(min(interval, 0.002 * 1.5 ** min(attempt, 20)) * (0.75 + 0.5 * random.random()))
+        pause = min(interval, 0.002 * 1.5 ** min(attempt, 20)) * (0.75 + 0.5 * random.random())
+        time.sleep(max(0.0, began + pause - time.monotonic()))
         attempt += 1
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 from crf_diloco.errors import AllReduceError, RoundTimeoutError
 from crf_diloco.layout import RoundKeys
-from crf_diloco.records import DecisionRecord, QuorumRecord, VoteRecord, ranks_named
+from crf_diloco.records import DecisionRecord, QuorumRecord, VoteRecord
 from crf_diloco.rounds.peer import Peer
 from crf_diloco.rounds.round import RoundFailure, RoundSettings, poll_until
 
@@ -31,11 +31,18 @@ def decide(
 ) -> DecisionRecord:
     """Create the round's decision (first writer wins) if this replica ``may_write`` (a participant of the round, or
     a non-observing announcer before its quorum), and return the one that stands. Observers never write one: they
-    wait for the participants' (`RoundTimeoutError` after ``timeout``)."""
+    wait for the participants' (`RoundTimeoutError` after ``timeout``).
+
+    The write and a read of the decision go out together: whoever created it, one round trip usually settles it
+    (ours if the create succeeded: create-only writes make it the one that stands; else the one read)."""
     if may_write:
         record = DecisionRecord(keys.round_id, outcome, reason, peer.rank, token, world_size=peer.world_size)
-        with contextlib.suppress(AllReduceError):  # the read below decides whose decision stands
-            peer.write_record(keys.decision, record)
+        created, found = peer.outcomes([partial(peer.write_record, keys.decision, record),
+                                        partial(peer.read_decision, keys.round_id)])  # fmt: skip
+        if created is True:
+            return record
+        if isinstance(found, DecisionRecord):
+            return found
     return await_decision(peer, keys, settings)
 
 
@@ -79,18 +86,28 @@ def await_votes(
         return write(keys, "abort", f"rank {peer.rank} voted to abort: {reason}", token, decide=True)
     votes: dict[int, VoteRecord] = {}
 
+    def read_vote(rank: int) -> VoteRecord | None:
+        key = keys.vote(rank)
+        record = peer.read_record(key, lambda o, k: VoteRecord.parse(o, k, peer.world_size))
+        if record is not None and (record.rank != rank or record.token != token):
+            raise RoundFailure(f"{key} belongs to another rank or round attempt (stale object)")
+        return record
+
     def probe(late: bool) -> DecisionRecord | None:
-        decision = peer.read_decision(keys.round_id)
+        # one wave: the decision and every vote not read yet
+        unread = [r for r in participants if r not in votes]
+        decision, *records = peer.outcomes([
+            partial(peer.read_decision, keys.round_id), *(partial(read_vote, r) for r in unread)
+        ])  # fmt: skip
+        if isinstance(decision, BaseException):
+            raise decision
         if decision is not None:
             return decision
-        for rank in ranks_named(peer.store.list_names(keys.votes_dir), peer.world_size):
-            if rank in participants and rank not in votes:
-                key = keys.vote(rank)
-                record = peer.read_record(key, lambda o, k: VoteRecord.parse(o, k, peer.world_size))
-                if record is not None:
-                    if record.rank != rank or record.token != token:
-                        raise RoundFailure(f"{key} belongs to another rank or round attempt (stale object)")
-                    votes[rank] = record
+        for rank, record in zip(unread, records, strict=True):
+            if isinstance(record, BaseException):
+                raise record
+            if record is not None:
+                votes[rank] = record
         against = sorted(r for r, v in votes.items() if not v.ok)
         if against:
             why = "; ".join(f"rank {r} voted to abort: {votes[r].reason}" for r in against)
