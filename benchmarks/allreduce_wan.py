@@ -185,7 +185,9 @@ def _run(world: int, args: argparse.Namespace, s3: Any, proxy_ctl: Any, ports: l
     for job in jobs:
         label = job["label"]
         start, end = snaps[(label, "start")], snaps[(label, "end")]
-        per_link = [((e[0] - s[0]) + (e[1] - s[1])) / args.rounds for s, e in zip(start[:world], end[:world], strict=True)]
+        per_link = [
+            ((e[0] - s[0]) + (e[1] - s[1])) / args.rounds for s, e in zip(start[:world], end[:world], strict=True)
+        ]
         bandwidth_time = max(max(per_link) / link_rate, sum(per_link) / total_rate)
         times, trips, idles, requests, floors = [], [], [], [], []
         for step in range(1, args.rounds + 1):
@@ -251,8 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"{r.replicas:>8} {r.codec:<13} {r.wire_bytes / 1e6:>9.3f} {r.time:>8.3f} {r.floor:>8.3f} "
               f"{r.ratio:>6.2f} {r.round_trips:>11} {r.idle_round_trips:>10} {r.requests:>9.1f}")  # fmt: skip
-    print("MB/round: wire bytes per replica link and round (up + down, HTTP included); round trips: sequential "
-          "request waves that found something (slowest replica); floor = bytes / bandwidth + round trips x rtt")
+    print(
+        "MB/round: wire bytes per replica link and round (up + down, HTTP included); round trips: sequential "
+        "request waves that found something (slowest replica); floor = bytes / bandwidth + round trips x rtt"
+    )
 
 
 if __name__ == "__main__":

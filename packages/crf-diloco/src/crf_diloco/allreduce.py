@@ -75,7 +75,7 @@ from crf_diloco.rounds.gather import gather
 from crf_diloco.rounds.peer import Peer
 from crf_diloco.rounds.round import Round, RoundFailure, RoundSettings, why
 from crf_diloco.store import ObjectStore, validate_uri
-from crf_diloco.wire import encode_payload
+from crf_diloco.wire import decode_payload_blob, encode_payload
 
 __all__ = ["ObjectStoreAllReduce", "RoundInfo"]
 
@@ -550,20 +550,21 @@ class ObjectStoreAllReduce:
                 # never re-create a collected round: checked while the payload is encoded, before it is written
                 collected = self._peer.read(self._peer.check_not_collected, keys, rnd.settings.keep_rounds)
                 try:
-                    feedback = None
-                    if plan.spec.error_feedback:
-                        feedback = residual_of(flat, plan.codec, self.rank)
-                        rnd.staged = (stream_key(spec), feedback)
                     key = keys.data(self.rank)
                     meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
                     blob = encode_payload(key, self.auth, flat, plan, meta)
+                    sent = decode_payload_blob(blob, plan, key)  # what every reader decodes from it
+                    feedback = None
+                    if plan.spec.error_feedback:
+                        feedback = residual_of(flat, sent, self.rank)
+                        rnd.staged = (stream_key(spec), feedback)
                 finally:
                     collected.result()
                 reduce_phase.contribute(self._peer, rnd, blob)
                 shard = participants.index(self.rank)
-                self._reduce_shard(rnd, shard, flat, feedback)
+                self._reduce_shard(rnd, shard, sent, feedback)
                 done.add(shard)
-            own = flat if mine else None
+            own = sent if mine else None
             result = gather(self._peer, rnd, done, lambda k: self._reduce_shard(rnd, k, own))
             rnd.drain()
         finally:
@@ -673,7 +674,8 @@ class ObjectStoreAllReduce:
     def _reduce_shard(
         self, rnd: Round, shard: int, own: torch.Tensor | None, feedback: torch.Tensor | None = None
     ) -> None:
-        """`crf_diloco.rounds.reduce.reduce_shard`: sum shard ``shard`` and create its object."""
+        """`crf_diloco.rounds.reduce.reduce_shard`: sum shard ``shard`` and create its object (``own``: what the
+        others decode from this replica's payload, if it contributed)."""
         reduce_phase.reduce_shard(self._peer, rnd, shard, own, feedback)
 
     def _write_decision(

@@ -13,7 +13,9 @@ any member not listed here, so a torchft upgrade that needs more fails loudly.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -45,7 +47,7 @@ DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
 
 
 class _FlushingFuture(torch.futures.Future[Any]):
-    """A future that runs the pending object-store round when waited on."""
+    """A future that starts the queued object-store rounds and waits for them when waited on."""
 
     def __init__(self, flush: Callable[[], None]) -> None:
         super().__init__()
@@ -63,13 +65,14 @@ class _FlushingFuture(torch.futures.Future[Any]):
 class ObjectStoreWork(dist._Work):
     """Work handle returned by :meth:`MockManager.allreduce`, shaped like torchft's ``_ManagedWork``.
 
-    The tensor is reduced in place. Rounds are lazy: every tensor handed to ``allreduce`` since the
-    last flush travels in one object-store round, run by the first ``wait()`` (or
-    ``get_future().wait()``, or ``should_commit()``). ``wait()`` returns True once the data phase
-    succeeded (the tensor then holds the reduced values; whether the sync commits is decided by
-    the store-wide ``should_commit()`` vote, as in torchft), and False instead of raising: the
-    error goes to the manager, so ``should_commit()`` votes False. ``get_future()`` completes with
-    the tensor (unchanged on failure) and supports ``.then``.
+    The tensor is reduced in place. Every tensor handed to ``allreduce`` before the manager's next other call
+    travels in one object-store round (per ``(op, compression)``), which runs in the background from that call on
+    (``MockManager(overlap=True)``, the default: training goes on while it syncs) or inside the first ``wait()``
+    (``overlap=False``). ``wait()`` blocks until the round ran and returns True once its data phase succeeded (the
+    tensor then holds the reduced values; whether the sync commits is decided by the store-wide
+    ``should_commit()`` vote, as in torchft), and False instead of raising: the error goes to the manager, so
+    ``should_commit()`` votes False. ``get_future()`` completes with the tensor (unchanged on failure) when the
+    round ends and supports ``.then`` (callbacks run on the thread that ran the round).
     """
 
     def __init__(self, manager: MockManager, tensor: torch.Tensor) -> None:
@@ -130,10 +133,14 @@ class MockManager:
 
     Semantics:
 
-    * ``allreduce`` queues the tensor; all tensors queued before the next ``wait()`` /
-      ``should_commit()`` go in one round (one round per distinct ``(reduce_op, quantize)`` pair,
-      in call order). ``should_quantize=True`` uses int8 row-wise compression unless the
-      allreduce already compresses.
+    * ``allreduce`` queues the tensor and returns at once; the tensors queued before the manager's next
+      other call (DiLoCo's next inner step calls ``disallow_state_dict_read()``; ``wait()``,
+      ``should_commit()``, ``start_quorum()``, ``current_step()`` too) go in one round (one round per
+      distinct ``(reduce_op, quantize)`` pair, in call order), which that call starts on a background
+      thread (``overlap=True``): Streaming DiLoCo's inner steps run while a fragment syncs
+      (``fragment_sync_delay``), and ``wait()`` / ``should_commit()`` block only for what is left.
+      Every replica makes the same calls, so the rounds are the same everywhere. ``should_quantize=True``
+      uses int8 row-wise compression unless the allreduce already compresses.
     * ``should_commit()`` is a store-wide vote, like torchft's collective ``should_commit``: the
       sync's rounds run with ``defer_decision=True``, and each participant votes True only if all
       its rounds succeeded, it reported no error (even one reported after the allreduce finished)
@@ -156,6 +163,8 @@ class MockManager:
         heal_timeout: seconds to wait for the state of the last committed round (default: the
             allreduce's ``timeout``).
         use_async_quorum: must be False (DiLoCo requires a synchronous quorum).
+        overlap: run each sync's rounds on a background thread from the manager's first call after the
+            ``allreduce`` calls (default True); False runs them inside the first ``wait()``.
     """
 
     def __init__(
@@ -166,6 +175,7 @@ class MockManager:
         checkpoint: bool = True,
         heal_timeout: float | None = None,
         use_async_quorum: bool = False,
+        overlap: bool = True,
     ) -> None:
         if not isinstance(allreduce, ObjectStoreAllReduce):
             raise TypeError(f"allreduce must be an ObjectStoreAllReduce, got {type(allreduce).__name__}")
@@ -177,7 +187,12 @@ class MockManager:
             )
         if heal_timeout is not None and not heal_timeout > 0:
             raise ValueError(f"heal_timeout must be > 0 seconds or None, got {heal_timeout!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool (True: sync in the background), got {type(overlap).__name__}")
         self._use_async_quorum = False
+        self._overlap = overlap
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._job: concurrent.futures.Future[None] | None = None
         self._allreduce = allreduce
         self._min_replica_size = min_replica_size
         self._checkpoint = checkpoint and allreduce.world_size > 1  # a lone replica never needs healing
@@ -223,7 +238,9 @@ class MockManager:
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
     ) -> None:
-        """Begin a sync: write a due checkpoint, clear errors, heal from the store if behind."""
+        """Begin a sync: finish the last one's rounds, write a due checkpoint, clear errors, heal from the store if
+        behind."""
+        self._finish_rounds()
         self._write_checkpoint_if_due()
         self._ensure_checkpoint()
         if self._allreduce.open_rounds:  # a sync that never reached should_commit(): vote it down
@@ -248,9 +265,11 @@ class MockManager:
         self._save_fns[key] = state_dict
 
     def allow_state_dict_read(self) -> None:
+        self._start_rounds()
         self._state_dict_read_allowed = True
 
     def disallow_state_dict_read(self) -> None:
+        self._start_rounds()
         self._write_checkpoint_if_due()
         self._state_dict_read_allowed = False
 
@@ -265,6 +284,7 @@ class MockManager:
         self._batches_committed = int(state_dict["batches_committed"])
 
     def current_step(self) -> int:
+        self._start_rounds()
         return self._step
 
     def batches_committed(self) -> int:
@@ -313,22 +333,55 @@ class MockManager:
         self._pending.append((tensor, work, op, compression))
         return work
 
+    @property
+    def syncing(self) -> bool:
+        """True while a sync's rounds are queued (``allreduce`` called, not yet started) or running."""
+        return bool(self._pending) or (self._job is not None and not self._job.done())
+
     def _flush_safely(self) -> None:
         try:
-            self._flush()
+            self._finish_rounds()
         except Exception as e:  # never raise out of wait()
             self.report_error(e)
 
-    def _flush(self) -> None:
-        """Run the queued tensors as object-store rounds (one per (op, compression) group, in order)."""
+    def _start_rounds(self) -> None:
+        """Start the rounds of the tensors queued since the last start: on the background thread (``overlap``), or
+        now, on this one."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        if not self._overlap:
+            self._run_rounds(pending)
+            return
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"crf-diloco-sync-{self.rank}")
+        self._job = self._worker.submit(self._run_rounds, pending)
+
+    def _finish_rounds(self) -> None:
+        """Start what is queued and wait until every round started has run (a callback of a round, which runs on
+        the background thread, does not wait for itself)."""
+        self._start_rounds()
+        job = self._job
+        if job is None or threading.current_thread().name.startswith(f"crf-diloco-sync-{self.rank}"):
+            return
+        job.result()  # _run_rounds never raises
+        if self._job is job:
+            self._job = None
+
+    def _run_rounds(self, pending: list[tuple[torch.Tensor, ObjectStoreWork, str, str | None]]) -> None:
+        """Run queued tensors as object-store rounds (one per (op, compression) group, in order). Never raises: an
+        error goes to ``report_error``; after one that is not a round's failure (e.g. `PayloadMismatchError`) the
+        remaining groups do not run, and every work completes (False unless its round ran)."""
         groups: dict[tuple[str, str | None], list[tuple[torch.Tensor, ObjectStoreWork]]] = {}
         for tensor, work, op, compression in pending:
             groups.setdefault((op, compression), []).append((tensor, work))
+        stopped = False
         for (op, compression), items in groups.items():
             ok = False
+            if stopped:
+                for _, work in items:
+                    work._complete(False)
+                continue
             try:
                 if self._errored is not None:
                     self._veto()
@@ -343,6 +396,9 @@ class MockManager:
                     ok = True
             except AllReduceError as e:
                 self.report_error(e)
+            except Exception as e:
+                self.report_error(e)
+                stopped = True
             finally:
                 info = self._allreduce.last_round
                 if info is not None and info.participants:
@@ -370,14 +426,14 @@ class MockManager:
         allreduce) and at least ``min_replica_size`` replicas took part; the sync commits iff every
         participant voted True, and every participant gets the same answer.
         """
-        if self._errored is not None and not self._pending and not self._rounds_ok:
+        self._finish_rounds()
+        if self._errored is not None and not self._rounds_ok:
             # an error before any allreduce: veto the round the others are in
             try:
                 self._veto()
             except AllReduceError as e:
                 logger.warning("rank %d could not veto its round: %s", self.rank, e)
             self._rounds_ok.append(False)
-        self._flush()
         if isinstance(self._errored, PayloadMismatchError):
             raise self._errored  # this replica's configuration differs from its peers': fail loudly
         enough = self.num_participants() >= self._min_replica_size
@@ -402,8 +458,13 @@ class MockManager:
         return ok
 
     def shutdown(self, wait: bool = True) -> None:
-        """Write a due checkpoint; the allreduce itself is left to its owner."""
+        """Finish the rounds started, write a due checkpoint and stop the background thread; the allreduce itself is
+        left to its owner."""
+        self._flush_safely()
         self._write_checkpoint_if_due()
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=wait)
 
     # -- checkpoints & healing (crf_diloco.healing) ---------------------------------------------------------
     def _state(self, round_id: int) -> dict[str, Any]:

@@ -70,6 +70,7 @@ __all__ = [
     "ShardPlan",
     "check_payload_header",
     "decode_object",
+    "decode_payload_blob",
     "encode_object",
     "encode_payload",
     "encode_reduced",
@@ -299,9 +300,12 @@ def _encode_units(x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
     mag.nan_to_num_(nan=float("inf"))
     # exactly k per row, deterministic: all magnitudes above the k-th largest, then the lowest offsets equal to it
     kth = torch.topk(mag, spec.k, dim=1).values[:, -1:]
-    above = mag > kth
-    tied = mag == kth
-    keep = above | (tied & (tied.cumsum(dim=1) <= spec.k - above.sum(dim=1, keepdim=True)))
+    keep = mag >= kth
+    crowded = (keep.sum(dim=1) > spec.k).nonzero()[:, 0]  # rows where values tie at the k-th: pick the lowest offsets
+    if crowded.numel():
+        m, t = mag[crowded], kth[crowded]
+        above, tied = m > t, m == t
+        keep[crowded] = above | (tied & (tied.cumsum(dim=1) <= spec.k - above.sum(dim=1, keepdim=True)))
     idx = keep.nonzero()[:, 1].view(-1, spec.k)  # row-major: ascending offsets in each row
     q, scale = _absmax_quantise(torch.gather(blocks, 1, idx), _INT8_MAX)
     return {"i": idx.to(torch.int16), "q": q.to(torch.int8), "s": scale}
@@ -652,6 +656,18 @@ def encode_payload(key: str, auth: Authenticator, flat: torch.Tensor, plan: Shar
     meta = {"codec": plan.codec, "numel": str(plan.numel), **meta}
     tensors = _encode_units(flat, plan.codec)
     return encode_object(key, auth, "payload", tensors, meta, items, data_start=payload_data_start(plan))
+
+
+def decode_payload_blob(blob: Blob, plan: ShardPlan, key: str) -> torch.Tensor:
+    """What every reader decodes from a payload `encode_payload` made (its tensors are read back from ``blob``, not
+    re-encoded): ``plan.numel`` values, fp32 (bf16 for that codec). For fp32 a view of the encoded bytes.
+    `CorruptObjectError` naming ``key`` if its content breaks the codec's rules."""
+    shapes = plan.shapes(0, plan.units)
+    names = sorted(shapes)
+    if len(blob) != 1 + len(names):
+        raise ValueError(f"{key}: a payload blob of {len(blob)} buffers, {plan.codec} needs {1 + len(names)}")
+    tensors = {name: _frombuffer(buf, *shapes[name]) for name, buf in zip(names, blob[1:], strict=True)}
+    return _decode_units(tensors, plan.codec, plan.numel, key)
 
 
 def payload_data_start(plan: ShardPlan) -> int:

@@ -10,7 +10,7 @@ from crf_diloco.layout import validate_name
 from crf_diloco.payload import count_nonfinite
 from crf_diloco.records import PayloadSpec
 from crf_diloco.rounds.round import RoundFailure
-from crf_diloco.wire import parse_codec, wire_roundtrip
+from crf_diloco.wire import parse_codec
 
 __all__ = ["parse_stream_key", "residual_of", "stream_key"]
 
@@ -35,10 +35,10 @@ def parse_stream_key(key: Any) -> int:
     return int(parts[2])
 
 
-def residual_of(flat: torch.Tensor, codec: str, rank: int) -> torch.Tensor:
-    """What the codec loses of ``flat`` (the contribution plus the old residual): the residual a round leaves if it
-    commits. `RoundFailure` if it is not finite."""
-    residual = flat - wire_roundtrip(flat, codec)
+def residual_of(flat: torch.Tensor, sent: torch.Tensor, rank: int) -> torch.Tensor:
+    """What the codec loses of ``flat`` (the contribution plus the old residual) when it ``sent`` what readers
+    decode: the residual a round leaves if it commits. `RoundFailure` if it is not finite."""
+    residual = flat - sent
     if count_nonfinite(residual):
         raise RoundFailure(f"rank {rank}: the error-feedback residual is not finite (its values overflow fp32)")
     return residual

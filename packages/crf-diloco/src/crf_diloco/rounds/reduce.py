@@ -25,7 +25,6 @@ from crf_diloco.wire import (
     read_header,
     read_payload_shard,
     read_reduced,
-    wire_roundtrip,
 )
 
 __all__ = ["blame", "contribute", "fetch_slices", "payload_header", "reduce_shard", "result_buffer"]
@@ -137,8 +136,8 @@ def reduce_shard(
     """Sum shard ``shard`` over all participants in order into the result buffer and create its object.
 
     The slices of the other participants are read at once; the sum runs in participant order (so any replica
-    computing this shard gets the same bits). ``own``: this replica's flat contribution when it is a participant
-    (its slice is taken as others decode it). ``feedback``: the shard owner's staged residual (error-feedback
+    computing this shard gets the same bits). ``own``: what the others decode from this replica's payload when it is
+    a participant. ``feedback``: the shard owner's staged residual (error-feedback
     codecs); the broadcast leg's loss (the exact reduction minus what its codec delivers, in sum units: times the
     participants for ``avg``) is added to it over the shard's elements, so the next round's contribution of the
     owner carries it."""
@@ -152,7 +151,7 @@ def reduce_shard(
     try:
         for i, r in enumerate(participants):
             if r == peer.rank and own is not None:
-                values = wire_roundtrip(own[lo:hi], plan.codec)  # exactly what others decode from our object
+                values = own[lo:hi]  # exactly what others decode from our object
             else:
                 values = reads[r].result()
             if i == 0:
@@ -212,7 +211,7 @@ def blame(peer: Peer, rnd: Round, shard: int, own: torch.Tensor | None) -> str:
     for r in rnd.participants:
         try:
             if r == peer.rank and own is not None:
-                values = wire_roundtrip(own[lo:hi], plan.codec)
+                values = own[lo:hi]
             else:
                 header = read_header(peer.store, keys.data(r), peer.auth)
                 values = read_payload_shard(peer.store, header, peer.auth, plan, shard, peer.scratch)
