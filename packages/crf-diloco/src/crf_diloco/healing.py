@@ -20,7 +20,7 @@ from crf_diloco.errors import CorruptObjectError, HealError
 from crf_diloco.layout import parse_state_key, state_key
 from crf_diloco.rounds.round import poll_until
 from crf_diloco.store import ObjectStore
-from crf_diloco.wire import read_header
+from crf_diloco.wire import Blob, read_header
 
 if TYPE_CHECKING:
     from crf_diloco.allreduce import ObjectStoreAllReduce
@@ -54,8 +54,16 @@ class StateSnapshots:
     def write(self, round_id: int, state: dict[str, Any]) -> bool:
         """Create the state of committed round ``round_id`` (create-only: False if one is there already), then
         collect older ones."""
-        key = state_key(round_id)
-        created = self._store.put_create(key, dumps_state(state, key, self._auth))
+        return self.put(round_id, self.seal(round_id, state))
+
+    def seal(self, round_id: int, state: dict[str, Any]) -> Blob:
+        """The sealed object of ``state`` for round ``round_id``: its tensors are copied now, so the state may change
+        once this returns (e.g. while `put` uploads it in the background)."""
+        return dumps_state(state, state_key(round_id), self._auth)
+
+    def put(self, round_id: int, sealed: Blob) -> bool:
+        r"""Create a `seal`\ ed state (False if one is there already), then collect older ones."""
+        created = self._store.put_create(state_key(round_id), sealed)
         self.collect(round_id)
         return created
 
@@ -141,7 +149,17 @@ def plan_heal(
     replaced: objects are create-only), or does not appear within ``timeout`` seconds (its writer may have died;
     others write it at their ``start_quorum``), the newest authentic earlier state newer than ``last_committed`` is
     loaded and the replica stays ``stale``; with none, it keeps its own state (or `HealError` if it never had one).
+
+    In step, one read settles it: a replica whose last round (``allreduce.round_id - 1``) is ``last_committed`` is
+    behind only if the next round was decided without it (rounds are decided in order, so none after it either).
     """
+    if (
+        last_committed is not None
+        and not stale
+        and last_committed == allreduce.round_id - 1
+        and allreduce.read_decision(allreduce.round_id) is None
+    ):
+        return None
     snapshots = allreduce.snapshots()
     rank = allreduce.rank
     latest: int | None = None

@@ -27,6 +27,7 @@ from torch.distributed import ReduceOp
 from crf_diloco.allreduce import ObjectStoreAllReduce
 from crf_diloco.errors import AllReduceError, PayloadMismatchError
 from crf_diloco.healing import MANAGER_KEY, plan_heal
+from crf_diloco.wire import Blob
 
 __all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork"]
 
@@ -149,10 +150,11 @@ class MockManager:
       replica that errored before its round ran vetoes that round instead
       (``ObjectStoreAllReduce.abort``). Observers (healing replicas) do not vote. On True the step
       advances.
-    * Healing: the lowest participant of a committed round writes the global state (every
-      ``register_state_dict_fn`` state plus ``{"step", "batches_committed"}``) to
-      ``state/r{round}.safetensors`` right after the outer step; the others write it at their
-      next ``start_quorum()`` if it is missing. At ``start_quorum()`` a replica that is behind the
+    * Healing: one participant of a committed round (``participants[round % len(participants)]``, so the
+      uploads rotate) writes the global state (every ``register_state_dict_fn`` state plus
+      ``{"step", "batches_committed"}``) to ``state/r{round}.safetensors``: copied at its next call after the
+      outer step, uploaded on the background thread; the others write it at their next ``start_quorum()``
+      if it is missing. At ``start_quorum()`` a replica that is behind the
       store's last committed round (restarted, late, or one that could not read a committed
       result) loads that state and observes (does not contribute to) its next round.
 
@@ -192,7 +194,8 @@ class MockManager:
         self._use_async_quorum = False
         self._overlap = overlap
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._job: concurrent.futures.Future[None] | None = None
+        self._job: concurrent.futures.Future[None] | None = None  # the last sync's rounds
+        self._tail: concurrent.futures.Future[None] | None = None  # the last task of the background thread
         self._allreduce = allreduce
         self._min_replica_size = min_replica_size
         self._checkpoint = checkpoint and allreduce.world_size > 1  # a lone replica never needs healing
@@ -353,9 +356,13 @@ class MockManager:
         if not self._overlap:
             self._run_rounds(pending)
             return
+        self._job = self._tail = self._background().submit(self._run_rounds, pending)
+
+    def _background(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one background thread: rounds and checkpoint uploads run on it in the order they were handed over."""
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"crf-diloco-sync-{self.rank}")
-        self._job = self._worker.submit(self._run_rounds, pending)
+        return self._worker
 
     def _finish_rounds(self) -> None:
         """Start what is queued and wait until every round started has run (a callback of a round, which runs on
@@ -453,7 +460,8 @@ class MockManager:
             self._observe_next = False
             if info is not None:
                 self._last_committed_round = info.round_id
-                if self._checkpoint and info.participants and self.rank == min(info.participants):
+                writer = info.participants[info.round_id % len(info.participants)] if info.participants else None
+                if self._checkpoint and self.rank == writer:  # the writer rotates: no one link carries them all
                     self._checkpoint_due = info.round_id
         return ok
 
@@ -462,6 +470,7 @@ class MockManager:
         left to its owner."""
         self._flush_safely()
         self._write_checkpoint_if_due()
+        self._wait_background()
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.shutdown(wait=wait)
@@ -477,13 +486,33 @@ class MockManager:
             self._snapshots.write(round_id, self._state(round_id))
 
     def _write_checkpoint_if_due(self) -> None:
-        if self._checkpoint_due is None:
+        """Write the state of the round this replica committed last and must checkpoint: copied now (it is the state
+        right after the outer step), uploaded on the background thread (``overlap``) or now."""
+        if self._checkpoint_due is None or not self._save_fns:
+            self._checkpoint_due = None
             return
         round_id, self._checkpoint_due = self._checkpoint_due, None
         try:
-            self._write_state(round_id)
+            sealed = self._snapshots.seal(round_id, self._state(round_id))
         except AllReduceError as e:
             logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
+            return
+        if not self._overlap:
+            self._put_checkpoint(round_id, sealed)
+            return
+        self._tail = self._background().submit(self._put_checkpoint, round_id, sealed)
+
+    def _put_checkpoint(self, round_id: int, sealed: Blob) -> None:
+        try:
+            self._snapshots.put(round_id, sealed)
+        except AllReduceError as e:
+            logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
+
+    def _wait_background(self) -> None:
+        """Wait for everything handed to the background thread (rounds and checkpoint uploads)."""
+        tail = self._tail
+        if tail is not None and not threading.current_thread().name.startswith(f"crf-diloco-sync-{self.rank}"):
+            tail.result()
 
     def _ensure_checkpoint(self) -> None:
         """Write the last committed state if its writer (the lowest participant) did not (never from a replica
@@ -491,6 +520,7 @@ class MockManager:
         r = self._last_committed_round
         if not self._checkpoint or r is None or not self._save_fns or self._stale:
             return
+        self._wait_background()  # this replica's own upload of it may still be under way
         try:
             if not self._snapshots.exists(r):
                 self._write_state(r)
