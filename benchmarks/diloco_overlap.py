@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-overlap", action="store_true", help="run rounds inside wait() (MockManager(overlap=False))"
     )
+    parser.add_argument("--slowest", type=int, default=0, help="print the N slowest inner steps of each replica")
     parser.add_argument("--rtt", type=_parse_seconds, default=0.040)
     parser.add_argument("--link", type=_parse_rate, default=50e6)
     args = parser.parse_args(argv)
@@ -176,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{rank:>4} {plain_rate:>8.2f} {during:>11.2f} {during / plain_rate:>6.2f} {quiet:>15.2f} "
               f"{len(busy):>6}/{len(steps):<6} {max(d for d, _ in steps):>11.3f}s {committed:>7} {moved / 1e6:>8.1f}")  # fmt: skip
     print(f"median ratio (inner steps/s during syncs / with no sync): {statistics.median(ratios):.3f}; steps/s")
+    if args.slowest:
+        for rank, _, _, steps, _, _ in sorted(results):
+            worst = sorted(range(len(steps)), key=lambda i: -steps[i][0])[: args.slowest]
+            print(f"rank {rank} slowest steps (index: seconds, sync in flight):",
+                  ", ".join(f"{i}: {steps[i][0]:.2f}{' s' if steps[i][1] else ''}" for i in sorted(worst)))  # fmt: skip
 
 
 if __name__ == "__main__":

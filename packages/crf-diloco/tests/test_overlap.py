@@ -152,13 +152,13 @@ def test_streaming_diloco_trains_while_a_fragment_syncs_and_ends_bit_identical(
 def test_work_of_a_failed_background_round_returns_false_and_the_sync_aborts_everywhere(
     faulty_store: Any, fault_rule: Callable[..., dict[str, Any]], run_replicas: RunReplicas
 ) -> None:
-    """Rank 1's store fails every write of round 0: its ``wait()`` returns False without raising, the future still
-    completes (``.then`` runs) and every replica's ``should_commit()`` answers False (one decision); the next sync
-    commits everywhere."""
-    fault_rule("write", lambda p: "r00000000/" in p and "/1." in p, "oserror", count=10_000)
+    """Rank 1's payload write of round 0 fails (it is a participant: its payload is missing): its ``wait()`` returns
+    False without raising, the future still completes (``.then`` runs) and every replica's ``should_commit()``
+    answers False (one decision); the next sync commits everywhere."""
+    fault_rule("write", lambda p: "r00000000/data/1." in p, "oserror", count=10_000)
 
     def replica(rank: int) -> tuple[bool, list[str], bool, bool]:
-        ar = ObjectStoreAllReduce("crffaulty://fails", rank, 2, timeout=5, quorum_timeout=5, retries=0)
+        ar = ObjectStoreAllReduce("crffaulty://fails", rank, 2, timeout=20, quorum_timeout=20, retries=0)
         manager = MockManager(ar)
         seen: list[str] = []
         t = torch.full((4,), float(rank))

@@ -153,8 +153,8 @@ class MockManager:
     * Healing: one participant of a committed round (``participants[round % len(participants)]``, so the
       uploads rotate) writes the global state (every ``register_state_dict_fn`` state plus
       ``{"step", "batches_committed"}``) to ``state/r{round}.safetensors``: copied at its next call after the
-      outer step, uploaded on the background thread; the others write it at their next ``start_quorum()``
-      if it is missing. At ``start_quorum()`` a replica that is behind the
+      outer step, uploaded on the background thread; the others check during their next sync (after its
+      rounds) that it exists, and write it if it is missing. At ``start_quorum()`` a replica that is behind the
       store's last committed round (restarted, late, or one that could not read a committed
       result) loads that state and observes (does not contribute to) its next round.
 
@@ -196,6 +196,8 @@ class MockManager:
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._job: concurrent.futures.Future[None] | None = None  # the last sync's rounds
         self._tail: concurrent.futures.Future[None] | None = None  # the last task of the background thread
+        self._ensured: int | None = None  # the last committed round whose checkpoint was checked
+        self._presence: tuple[int, concurrent.futures.Future[bool] | None] | None = None  # that check, when pending
         self._allreduce = allreduce
         self._min_replica_size = min_replica_size
         self._checkpoint = checkpoint and allreduce.world_size > 1  # a lone replica never needs healing
@@ -357,6 +359,9 @@ class MockManager:
             self._run_rounds(pending)
             return
         self._job = self._tail = self._background().submit(self._run_rounds, pending)
+        if self._presence is not None and self._presence[1] is None:  # after the rounds: the writer had its time
+            r = self._presence[0]
+            self._presence = (r, self._background().submit(self._snapshots.exists, r))
 
     def _background(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one background thread: rounds and checkpoint uploads run on it in the order they were handed over."""
@@ -488,6 +493,7 @@ class MockManager:
     def _write_checkpoint_if_due(self) -> None:
         """Write the state of the round this replica committed last and must checkpoint: copied now (it is the state
         right after the outer step), uploaded on the background thread (``overlap``) or now."""
+        self._check_presence()
         if self._checkpoint_due is None or not self._save_fns:
             self._checkpoint_due = None
             return
@@ -515,17 +521,37 @@ class MockManager:
             tail.result()
 
     def _ensure_checkpoint(self) -> None:
-        """Write the last committed state if its writer (the lowest participant) did not (never from a replica
-        that is behind: its state is not the committed one)."""
+        """Write the last committed state if its writer did not (never from a replica that is behind: its state is
+        not the committed one). With ``overlap`` the check runs on the background thread after this sync's rounds
+        (by then the writer's own upload is done), and a missing state is copied at the manager's next call, if
+        this replica still holds that round's state."""
         r = self._last_committed_round
-        if not self._checkpoint or r is None or not self._save_fns or self._stale:
+        if not self._checkpoint or r is None or not self._save_fns or self._stale or r == self._ensured:
             return
-        self._wait_background()  # this replica's own upload of it may still be under way
+        self._ensured = r
+        if self._overlap:
+            self._presence = (r, None)  # submitted behind this sync's rounds (`_start_rounds`)
+            return
         try:
             if not self._snapshots.exists(r):
                 self._write_state(r)
         except AllReduceError as e:
             logger.warning("could not write the checkpoint of round %d: %s", r, e)
+
+    def _check_presence(self) -> None:
+        """Act on a finished background check of the last committed state: missing, and still this replica's
+        state, it becomes due (copied and uploaded by `_write_checkpoint_if_due`)."""
+        r, check = self._presence if self._presence is not None else (None, None)
+        if r is None or check is None or not check.done():
+            return
+        self._presence = None
+        try:
+            present = bool(check.result())
+        except AllReduceError as e:
+            logger.warning("could not check the checkpoint of round %d: %s", r, e)
+            return
+        if not present and r == self._last_committed_round and not self._stale and self._checkpoint_due is None:
+            self._checkpoint_due = r
 
     def _maybe_heal(self) -> None:
         """Load the last committed state if this replica is behind the store, then observe one round
