@@ -6,8 +6,10 @@ What is measured
     ``fragment_sync_delay = --delay``) through `MockManager` (``overlap=True``: a fragment's rounds run on a
     background thread) on ``s3://`` against moto's S3 server behind the WAN proxy of ``benchmarks/allreduce_wan.py``
     (``--rtt``, ``--link``). Every inner step is timed and classed by whether a sync was in flight when it started
-    or ended (`MockManager.syncing`); a step that waits for its fragment's round at ``perform_sync`` counts as
-    during a sync, so a round that outlasts its window shows up as a slower rate.
+    or ended (`MockManager.syncing`); a step that waits for its fragment's round at ``perform_sync`` (and for the
+    store-wide vote of ``should_commit``, a barrier as in torchft) counts as during a sync, so a round that outlasts
+    its window shows up as a slower rate. The first ``--period`` steps are left out: the first sync also joins the
+    run (layout check, frontier).
 
     * ``during sync``: inner steps/s over the steps during which a sync was in flight;
     * ``no sync``: inner steps/s of the same loop without DiLoCo, run by the same processes before and after (the
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"s3://{s3.bucket}/overlap",
                         out,
                     ),
-                )  # fmt: skip
+                )
                 for r in range(args.replicas)
             ]
             for p in procs:
@@ -169,13 +171,14 @@ def main(argv: list[str] | None = None) -> None:
     ratios = []
     for rank, before, after, steps, committed, moved in sorted(results):
         plain_rate = (before + after) / 2
-        busy = [d for d, syncing in steps if syncing]
-        idle = [d for d, syncing in steps if not syncing]
+        measured = steps[args.period :]  # from the second sync on: the first one also joins the run (layout, frontier)
+        busy = [d for d, syncing in measured if syncing]
+        idle = [d for d, syncing in measured if not syncing]
         during = len(busy) / sum(busy) if busy else float("nan")
         quiet = len(idle) / sum(idle) if idle else float("nan")
         ratios.append(during / plain_rate)
         print(f"{rank:>4} {plain_rate:>8.2f} {during:>11.2f} {during / plain_rate:>6.2f} {quiet:>15.2f} "
-              f"{len(busy):>6}/{len(steps):<6} {max(d for d, _ in steps):>11.3f}s {committed:>7} {moved / 1e6:>8.1f}")  # fmt: skip
+              f"{len(busy):>6}/{len(measured):<6} {max(d for d, _ in measured):>11.3f}s {committed:>7} {moved / 1e6:>8.1f}")  # fmt: skip
     print(f"median ratio (inner steps/s during syncs / with no sync): {statistics.median(ratios):.3f}; steps/s")
     if args.slowest:
         for rank, _, _, steps, _, _ in sorted(results):
