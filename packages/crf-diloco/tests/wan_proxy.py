@@ -143,6 +143,8 @@ class WanProxy:
         self.buffer = buffer
         self.stats = [LinkStats() for _ in range(links)]
         self.ports: list[int] = []
+        #: where each link listens, as the operating system reports it
+        self.addresses: list[tuple[str, int]] = []
         self._links = links
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -210,7 +212,9 @@ class WanProxy:
                     lambda r, w, i=index: self._serve(i, r, w), "127.0.0.1", 0, reuse_address=True
                 )
                 servers.append(server)
-                self.ports.append(server.sockets[0].getsockname()[1])
+                host, port = server.sockets[0].getsockname()[:2]
+                self.addresses.append((host, port))
+                self.ports.append(port)
             self._ready.set()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.lifetime)
