@@ -118,7 +118,8 @@ class ObjectStoreAllReduce:
             ``topk`` keep a per-replica error-feedback residual (:meth:`state_dict`).
         storage_options: fsspec options (e.g. ``{"endpoint_url": ...}``, credentials).
         min_participants: a quorum with fewer participants aborts the round.
-        poll_interval: longest sleep between two polls of the store (seconds).
+        poll_interval: longest sleep between two polls of the store (seconds); default 0.01 on a local folder or
+            ``memory://`` (a poll costs microseconds there), 0.05 elsewhere (each poll is a request).
         straggler_grace: seconds into the data phase after which any replica covers a missing reduced shard
             (default ``timeout / 3``).
         keep_rounds: round directories older than this many rounds are deleted by the lowest participant after
@@ -141,7 +142,7 @@ class ObjectStoreAllReduce:
         compression: Compression | None = None,
         storage_options: dict[str, Any] | None = None,
         min_participants: int = 1,
-        poll_interval: float = 0.05,
+        poll_interval: float | None = None,
         straggler_grace: float | None = None,
         keep_rounds: int = 2,
         retries: int = 3,
@@ -151,7 +152,7 @@ class ObjectStoreAllReduce:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-        for label, value in (("timeout", timeout), ("poll_interval", poll_interval)):
+        for label, value in (("timeout", timeout), ("poll_interval", 1.0 if poll_interval is None else poll_interval)):
             if not value > 0:
                 raise ValueError(f"{label} must be > 0 seconds, got {value!r}")
         if quorum_timeout is not None and not quorum_timeout > 0:
@@ -172,13 +173,15 @@ class ObjectStoreAllReduce:
         self.quorum_timeout = float(quorum_timeout) if quorum_timeout is not None else self.timeout
         self.compression: Compression | None = None if compression is None else codec
         self.min_participants = min_participants
-        self.poll_interval = float(poll_interval)
         self.straggler_grace = float(straggler_grace) if straggler_grace is not None else self.timeout / 3
         self.keep_rounds = keep_rounds
         self.round_id = 0
         self.last_round: RoundInfo | None = None
         self.store = ObjectStore(f"{uri.rstrip('/')}/{self.run_id}", storage_options, retries=retries)
         self._peer = Peer(self.store, self.auth, rank, world_size)
+        if poll_interval is None:
+            poll_interval = 0.01 if self.store.protocol in ("file", "local", "memory") else 0.05
+        self.poll_interval = float(poll_interval)
         self._snapshots: StateSnapshots | None = None
         self._store_checked = False
         self._layout_ok = False
