@@ -18,6 +18,9 @@ The floor, computed from the same run
     waves (a request that starts while none of that replica's is in flight opens one; concurrent reads and
     background writes share it), not counting waves in which every request found nothing (polls for an object
     not there yet). ``ratio = round time / floor``; the target (issue 24) is <= 1.3 at 2, 4 and 8 replicas.
+    Beside it, the CPU seconds every process of the run (replicas, moto's server, the proxy) spent per round, and
+    the cores they kept busy: where that nears the machine's cores, the simulation is CPU-bound and the ratio
+    measures the machine.
 
 Run: ``python benchmarks/allreduce_wan.py`` (defaults: 40 ms, 50 MB/s per link, 1M elements, codecs fp32, int8,
 int4, topk; ``--replicas 2 --codecs fp32 --rounds 2`` for a quick look). Medians over ``--rounds``; the load
@@ -82,7 +85,7 @@ def _proxy_process(upstream_port: int, links: int, link: dict[str, Any], lifetim
                 message = conn.recv()
                 if message == "stop":
                     break
-                conn.send([(s.up, s.down, s.connections) for s in proxy.snapshot()])
+                conn.send(([(s.up, s.down, s.connections) for s in proxy.snapshot()], time.process_time()))
     conn.close()
 
 
@@ -109,12 +112,16 @@ def _replica(rank: int, world: int, port: int, jobs: list[dict[str, Any]], out: 
                 time.sleep(0.2)  # background writes of the warm-up round (collection) settle
                 dist.barrier()
             before = ar.store.traffic()
+            cpu = time.process_time()
             start = time.perf_counter()
             ar.allreduce(x.clone())
             elapsed = time.perf_counter() - start
+            cpu = time.process_time() - cpu
             done = ar.store.traffic() - before
             if step:
-                out.put((job["label"], rank, step, elapsed, done.round_trips, done.idle_round_trips, done.requests))
+                out.put(
+                    (job["label"], rank, step, elapsed, done.round_trips, done.idle_round_trips, done.requests, cpu)
+                )
         dist.barrier()
         time.sleep(0.2)
         dist.barrier()
@@ -137,6 +144,7 @@ class Row:
     round_trips: int
     idle_round_trips: int
     requests: float
+    cpu: float  # CPU seconds per round of every process of the run: replicas, moto's server, the proxy
 
     @property
     def ratio(self) -> float:
@@ -157,23 +165,24 @@ def _run(world: int, args: argparse.Namespace, s3: Any, proxy_ctl: Any, ports: l
     procs = [ctx.Process(target=_replica, args=(r, world, port, jobs, out, control, ack)) for r in range(world)]
     for p in procs:
         p.start()
-    snaps: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
-    results: dict[str, list[tuple[int, int, float, int, int, int]]] = {}
+    snaps: dict[tuple[str, str], tuple[list[tuple[int, int, int]], float, float]] = {}
+    results: dict[str, list[tuple[int, int, float, int, int, int, float]]] = {}
     expected = world * args.rounds * len(jobs)
     got = 0
     while got < expected or len(snaps) < 2 * len(jobs):
         while not control.empty():
             _, label, tag = control.get()
             proxy_ctl.send("snap")
-            snaps[(label, tag)] = proxy_ctl.recv()
+            links, proxy_cpu = proxy_ctl.recv()
+            snaps[(label, tag)] = (links, proxy_cpu, time.process_time())  # this process runs moto's server
             ack.put(tag)
         try:
-            label, rank, step, elapsed, trips, idle, requests = out.get(timeout=0.05)
+            label, rank, step, elapsed, trips, idle, requests, cpu = out.get(timeout=0.05)
         except Exception:
             if not any(p.is_alive() for p in procs) and got < expected:
                 raise RuntimeError("a benchmark replica died") from None
             continue
-        results.setdefault(label, []).append((rank, step, elapsed, trips, idle, requests))
+        results.setdefault(label, []).append((rank, step, elapsed, trips, idle, requests, cpu))
         got += 1
     for p in procs:
         p.join()
@@ -184,7 +193,9 @@ def _run(world: int, args: argparse.Namespace, s3: Any, proxy_ctl: Any, ports: l
     total_rate = args.total or float("inf")
     for job in jobs:
         label = job["label"]
-        start, end = snaps[(label, "start")], snaps[(label, "end")]
+        (start, proxy0, main0), (end, proxy1, main1) = snaps[(label, "start")], snaps[(label, "end")]
+        servers_cpu = (proxy1 - proxy0 + main1 - main0) / args.rounds
+        replicas_cpu = sum(e[6] for e in results[label]) / args.rounds
         per_link = [
             ((e[0] - s[0]) + (e[1] - s[1])) / args.rounds for s, e in zip(start[:world], end[:world], strict=True)
         ]
@@ -200,7 +211,7 @@ def _run(world: int, args: argparse.Namespace, s3: Any, proxy_ctl: Any, ports: l
             floors.append(bandwidth_time + (worst[3] - worst[4]) * args.rtt)
         rows.append(Row(world, job["codec"] or "fp32", args.numel, statistics.mean(per_link), statistics.median(times),
                         statistics.median(floors), int(statistics.median(trips)), int(statistics.median(idles)),
-                        statistics.mean(requests)))  # fmt: skip
+                        statistics.mean(requests), replicas_cpu + servers_cpu))  # fmt: skip
     return rows
 
 
@@ -249,10 +260,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.rounds} rounds; {os.cpu_count()} CPUs, load average {' '.join(f'{v:.2f}' for v in load_start)} "
           f"at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end")  # fmt: skip
     print(f"{'replicas':>8} {'codec':<13} {'MB/round':>9} {'round s':>8} {'floor s':>8} {'ratio':>6} "
-          f"{'round trips':>11} {'idle polls':>10} {'requests':>9}")  # fmt: skip
+          f"{'round trips':>11} {'idle polls':>10} {'requests':>9} {'CPU s':>6} {'CPU/round':>9}")  # fmt: skip
     for r in rows:
         print(f"{r.replicas:>8} {r.codec:<13} {r.wire_bytes / 1e6:>9.3f} {r.time:>8.3f} {r.floor:>8.3f} "
-              f"{r.ratio:>6.2f} {r.round_trips:>11} {r.idle_round_trips:>10} {r.requests:>9.1f}")  # fmt: skip
+              f"{r.ratio:>6.2f} {r.round_trips:>11} {r.idle_round_trips:>10} {r.requests:>9.1f} {r.cpu:>6.2f} "
+              f"{r.cpu / r.time:>9.2f}")  # fmt: skip
     print(
         "MB/round: wire bytes per replica link and round (up + down, HTTP included); round trips: sequential "
         "request waves that found something (slowest replica); floor = bytes / bandwidth + round trips x rtt"
