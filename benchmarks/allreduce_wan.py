@@ -145,6 +145,7 @@ class Row:
     idle_round_trips: int
     requests: float
     cpu: float  # CPU seconds per round of every process of the run: replicas, moto's server, the proxy
+    server_cpu: float  # of which moto's server and the proxy (what a real bucket and network would not charge here)
 
     @property
     def ratio(self) -> float:
@@ -211,7 +212,7 @@ def _run(world: int, args: argparse.Namespace, s3: Any, proxy_ctl: Any, ports: l
             floors.append(bandwidth_time + (worst[3] - worst[4]) * args.rtt)
         rows.append(Row(world, job["codec"] or "fp32", args.numel, statistics.mean(per_link), statistics.median(times),
                         statistics.median(floors), int(statistics.median(trips)), int(statistics.median(idles)),
-                        statistics.mean(requests), replicas_cpu + servers_cpu))  # fmt: skip
+                        statistics.mean(requests), replicas_cpu + servers_cpu, servers_cpu))  # fmt: skip
     return rows
 
 
@@ -260,10 +261,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.rounds} rounds; {os.cpu_count()} CPUs, load average {' '.join(f'{v:.2f}' for v in load_start)} "
           f"at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end")  # fmt: skip
     print(f"{'replicas':>8} {'codec':<13} {'MB/round':>9} {'round s':>8} {'floor s':>8} {'ratio':>6} "
-          f"{'round trips':>11} {'idle polls':>10} {'requests':>9} {'CPU s':>6} {'CPU/round':>9}")  # fmt: skip
+          f"{'round trips':>11} {'idle polls':>10} {'requests':>9} {'CPU s':>6} {'servers':>7} {'CPU/round':>9}")  # fmt: skip
     for r in rows:
         print(f"{r.replicas:>8} {r.codec:<13} {r.wire_bytes / 1e6:>9.3f} {r.time:>8.3f} {r.floor:>8.3f} "
-              f"{r.ratio:>6.2f} {r.round_trips:>11} {r.idle_round_trips:>10} {r.requests:>9.1f} {r.cpu:>6.2f} "
+              f"{r.ratio:>6.2f} {r.round_trips:>11} {r.idle_round_trips:>10} {r.requests:>9.1f} {r.cpu:>6.2f} {r.server_cpu:>7.2f} "
               f"{r.cpu / r.time:>9.2f}")  # fmt: skip
     print(
         "MB/round: wire bytes per replica link and round (up + down, HTTP included); round trips: sequential "

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
-from fsspec import AbstractFileSystem
-from fsspec.registry import register_implementation
 
 import crf_diloco.allreduce as allreduce_module
 from crf_diloco import MockManager, ObjectStoreAllReduce, RoundAbortedError
@@ -37,68 +35,6 @@ from crf_diloco.wire import (
 SECRET = "remote-reads-test-secret-0123456789abcdef"
 AUTH = Authenticator(SECRET, "default")
 RunReplicas = Callable[..., list[Any]]
-#: ``(start, end, path) -> bytes | None`` run on every ranged read of the remote store: bytes replace the answer
-ReadHook = Callable[[int | None, int | None, str, bytes], bytes | None]
-
-
-class RemoteFileSystem(AbstractFileSystem):
-    """A create-only object store in a dict that is not a local or memory filesystem, so the protocol treats it as
-    remote (early reads, one-request reduced shards). ``hooks`` may change what a read returns."""
-
-    protocol = "crfremote"
-    objects: ClassVar[dict[str, bytes]] = {}
-    hooks: ClassVar[list[ReadHook]] = []
-    lock = threading.Lock()
-
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> str:
-        return str(path).removeprefix("crfremote://").strip("/")
-
-    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
-        key = self._strip_protocol(path)
-        with self.lock:
-            if mode == "create" and key in self.objects:
-                raise FileExistsError(path)
-            self.objects[key] = bytes(value)
-
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-        key = self._strip_protocol(path)
-        with self.lock:
-            if key not in self.objects:
-                raise FileNotFoundError(path)
-            data = self.objects[key]
-        answer = data[start:end]
-        for hook in self.hooks:
-            changed = hook(start, end, key, answer)
-            if changed is not None:
-                answer = changed
-        return answer
-
-    def exists(self, path: str, **kwargs: Any) -> bool:
-        key = self._strip_protocol(path)
-        with self.lock:
-            return key in self.objects or any(k.startswith(key + "/") for k in self.objects)
-
-    def ls(self, path: str, detail: bool = False, **kwargs: Any) -> list[Any]:
-        prefix = self._strip_protocol(path) + "/"
-        with self.lock:
-            return sorted({prefix + k[len(prefix) :].split("/")[0] for k in self.objects if k.startswith(prefix)})
-
-    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
-        key = self._strip_protocol(path)
-        with self.lock:
-            for k in [k for k in self.objects if k == key or k.startswith(key + "/")]:
-                del self.objects[k]
-
-
-@pytest.fixture
-def remote() -> Iterator[type[RemoteFileSystem]]:
-    register_implementation("crfremote", RemoteFileSystem, clobber=True)
-    RemoteFileSystem.objects.clear()
-    RemoteFileSystem.hooks.clear()
-    yield RemoteFileSystem
-    RemoteFileSystem.objects.clear()
-    RemoteFileSystem.hooks.clear()
 
 
 def _x(rank: int, round_id: int, n: int = 3000) -> torch.Tensor:
