@@ -10,15 +10,20 @@ What is measured
     interval (task as the unit, paired).
 
     The arms: crf's composed recipe (GRPO + SDPO with the sandbox's feedback + trace-replay DPO), GRPO alone,
-    GRPO + SDPO, GRPO + DPO, the composed recipe with SRPO's routing and with SC-SDPO's weights, and the peers
-    at the same budget: TRL's ``GRPOTrainer`` and ``trl.experimental.sdpo.SDPOTrainer`` (``--trainer``).
+    GRPO + SDPO, GRPO + DPO, GRPO + SDPO with the paper's divergence (generalised JSD on the student's top 20, EMA
+    teacher) instead of the job's (forward KL on the full vocabulary, frozen teacher), the composed recipe with
+    SRPO's routing and with SC-SDPO's weights, and the peers at the same budget: TRL's ``GRPOTrainer`` and
+    ``trl.experimental.sdpo.SDPOTrainer`` (``--trainer``; TRL's SDPO gets the job's SDPO settings).
 
 Printed
     One row per arm: each seed's change [interval], the mean change over seeds and its spread (the sample standard
     deviation over seeds), the hard subset's mean change, whether the arm beat crf's GRPO alone on every seed, the
-    mean wall time, and the RATIO of the arm's mean change to crf GRPO alone's. Also the load average. The changes
-    are deterministic per seed (the same numbers on a quiet or a loaded machine); wall times are not, and are
-    comparable only between runs made one after the other on the same machine (not with ``--parallel``).
+    mean wall time, the mean CPU time (the run's processes, replicas and sandboxes included, from ``wait4``) and its
+    ratio to crf GRPO alone's, and the RATIO of the arm's mean change to crf GRPO alone's. Also the load average.
+    The changes are deterministic per seed (the same numbers on a quiet or a loaded machine, and on any x86-64 CPU:
+    the job pins its CPU code paths, ``examples/main_job/numerics.py``); wall times are not, and are comparable only
+    between runs made one after the other on the same machine (not with ``--parallel``); CPU times compare arms'
+    cost under any load (to a few percent: a loaded machine shares caches).
 
 Run: ``python benchmarks/main_job_ablation.py`` (24 runs, about 1.5 hours on 2 quiet cores), or e.g.
 ``--seeds 0 --arms composed grpo`` for a quick look. Results go to ``runs/ablation-<timestamp>/`` (each run's
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,11 +46,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSED = ["--channels", "grpo,sdpo_jsd,trace_replay_dpo"]
+PAPER_SDPO = ["--sdpo-alpha", "0.5", "--sdpo-top-k", "20", "--sdpo-teacher-update-rate", "0.05"]
+"""SDPO as its reference runs configure it (the job's own SDPO is forward KL with a frozen teacher; docs/guide.md)."""
 ARMS: dict[str, tuple[str, list[str]]] = {
     "composed": ("crf composed (GRPO + SDPO + DPO)", COMPOSED),
     "grpo": ("crf GRPO alone", ["--channels", "grpo"]),
     "grpo+sdpo": ("crf GRPO + SDPO", ["--channels", "grpo,sdpo_jsd"]),
     "grpo+dpo": ("crf GRPO + trace-replay DPO", ["--channels", "grpo,trace_replay_dpo"]),
+    "grpo+sdpo-paper": (
+        "crf GRPO + SDPO, the paper's divergence (JSD, top-20, EMA teacher)",
+        ["--channels", "grpo,sdpo_jsd", *PAPER_SDPO],
+    ),
     "composed+srpo": ("crf composed, SRPO routing", [*COMPOSED, "--sdpo-routing", "srpo"]),
     "composed+sc": ("crf composed, SC-SDPO weights", [*COMPOSED, "--sdpo-group-weight", "success_variance"]),
     "trl-grpo": ("TRL GRPOTrainer", ["--trainer", "trl-grpo"]),
@@ -68,9 +80,16 @@ def run(arm: str, seed: int, out: Path, extra: list[str]) -> dict[str, Any]:
     command += ["--output-dir", str(folder), *extra]
     start = time.monotonic()
     with open(out / f"{folder.name}.log", "w", encoding="utf-8") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        # wait4: this run's CPU time, its replica and sandbox processes included (they are waited for below it),
+        # which unlike wall time does not grow with what else the machine runs
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
     result = json.loads((folder / "result.json").read_text())
     result["wall_s"] = time.monotonic() - start
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
     result["arm"] = arm
     print(
         f"{arm:<14} seed {seed}: change {result['change']:+.3f} [{result['change_interval'][0]:+.3f}, "
@@ -92,8 +111,9 @@ def table(record: dict[str, Any]) -> str:
     peer = {r["seed"]: r["change"] for r in runs.get(PEER, [])}
     header = "| arm | " + " | ".join(f"seed {s}: change [95% CI]" for s in seeds)
     header += " | mean change (spread) | hard subset: mean change | above GRPO alone on every seed | mean wall s "
-    header += "| ratio to GRPO alone |"
-    lines = [header, "|---" * (len(seeds) + 6) + "|"]
+    header += "| mean CPU s (× GRPO alone) | ratio to GRPO alone |"
+    lines = [header, "|---" * (len(seeds) + 7) + "|"]
+    peer_cpu = [r["cpu_s"] for r in runs.get(PEER, []) if "cpu_s" in r]
     for arm, rows in runs.items():
         rows = sorted(rows, key=lambda r: r["seed"])
         by_seed = {r["seed"]: r for r in rows}
@@ -110,9 +130,14 @@ def table(record: dict[str, Any]) -> str:
         same = [peer[r["seed"]] for r in rows if r["seed"] in peer]
         ratio = mean / statistics.mean(same) if same and len(same) == len(rows) else float("nan")
         cells = [_cell(by_seed[s]["change"], by_seed[s]["change_interval"]) if s in by_seed else "—" for s in seeds]
+        cpu = "—"
+        if all("cpu_s" in r for r in rows):
+            cpu = f"{statistics.mean(r['cpu_s'] for r in rows):.0f}"
+            if peer_cpu:
+                cpu += f" ({statistics.mean(r['cpu_s'] for r in rows) / statistics.mean(peer_cpu):.2f}×)"
         lines.append(
             f"| {ARMS[arm][0] if arm in ARMS else arm} | " + " | ".join(cells) + f" | {mean:+.3f} ({spread}) | "
-            f"{hard:+.3f} | {above} | {statistics.mean(r['wall_s'] for r in rows):.0f} | {ratio:.2f} |"
+            f"{hard:+.3f} | {above} | {statistics.mean(r['wall_s'] for r in rows):.0f} | {cpu} | {ratio:.2f} |"
         )
     befores = ", ".join(
         f"seed {r['seed']} {r['before']:.3f} (hard {r['subsets']['hard']['before']:.3f})"

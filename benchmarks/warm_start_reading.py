@@ -9,8 +9,16 @@ What is measured
     correct answer. The reprompts are SDPO's self-teacher's view, so the gap between them and the plain prompt is
     the signal SDPO can distil. Held-out tasks are used here only to *measure*; nothing is trained on them.
 
+    Then what SDPO's divergence does with that signal, at the first token where a wrong attempt leaves the right
+    answer (the operator of ``x | 17`` after a wrong ``x + 57``): the student's probability of the right token
+    (plain prompt), the teacher's (reprompt with the feedback), and the gradient each divergence puts on that
+    token's student logit: the generalised JSD of SDPO's default (alpha 0.5) and forward KL (alpha 0), both on
+    the full vocabulary. The JSD's gradient on a logit is proportional to the student's own probability of it,
+    so a token the student never writes gets almost none, however sure the teacher is.
+
 Printed
-    One row per subset (easy, hard): the pass rate in each context.
+    One row per subset (easy, hard): the pass rate in each context; one row per subset: the medians over its
+    tasks of those probabilities and gradients.
 
 Run: ``python benchmarks/warm_start_reading.py`` (about 3 minutes on 2 cores).
 """
@@ -33,6 +41,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     args = parser.parse_args()
 
+    from main_job.numerics import pin_cpu_numerics
+
+    pin_cpu_numerics()  # before torch: the main job's numerics, so this is the job's warm start bit for bit
+
     import torch
     from main_job import templates
     from main_job.feedback import feedback_examples
@@ -41,6 +53,7 @@ def main() -> None:
 
     from crf_core.rewards import UnitTestReward, bubblewrap_usable
     from crf_core.trainer.reprompt import build_reprompts
+    from crf_distill import generalized_jsd_per_token
 
     torch.set_num_threads(1)
     isolation = "bwrap" if bubblewrap_usable() else "rlimits"
@@ -81,6 +94,39 @@ def main() -> None:
                  for t in tasks]  # fmt: skip
         plain, with_feedback, with_answer = (rate(tasks, c) for c in ([t.prompt for t in tasks], fed, shown))
         print(f"| {name} | {len(tasks)} | {plain:.3f} | {with_feedback:.3f} | {with_answer:.3f} |", flush=True)
+
+    def logits(context: str, prefix: str) -> torch.Tensor:
+        ids = tokenizer(context)["input_ids"] + tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+
+    def gradient(student: torch.Tensor, teacher: torch.Tensor, alpha: float, token: int) -> float:
+        z = student.clone().requires_grad_(True)
+        generalized_jsd_per_token(z[None], teacher[None], alpha=alpha).sum().backward()
+        assert z.grad is not None
+        return float(z.grad[token])
+
+    print()
+    print("| subset | tasks | student p(right token) | teacher p(right token) | JSD (alpha 0.5) gradient on it "
+          "| forward KL gradient on it |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, hard in (("easy", False), ("hard", True)):
+        rows = []
+        for t in (t for t in heldout if t.hard == hard and t.name in attempts):
+            attempt = attempts[t.name].attempt
+            cut = next(i for i, (a, b) in enumerate(zip(t.solution + "\0", attempt + "\0", strict=False)) if a != b)
+            if cut >= len(t.solution):
+                continue
+            token = tokenizer(t.solution[cut], add_special_tokens=False)["input_ids"][-1]
+            fed = build_reprompts([t.prompt] * 2, [attempt, ""], [0.0, 0.0], [attempts[t.name].feedback, None], 2,
+                                  config).reprompts[0].prompt  # fmt: skip
+            student, teacher = logits(t.prompt, t.solution[:cut]), logits(str(fed), t.solution[:cut])
+            rows.append((
+                float(torch.softmax(student, -1)[token]), float(torch.softmax(teacher, -1)[token]),
+                gradient(student, teacher, 0.5, token), gradient(student, teacher, 0.0, token),
+            ))  # fmt: skip
+        medians = [sorted(column)[len(column) // 2] for column in zip(*rows, strict=True)]
+        print(f"| {name} | {len(rows)} | " + " | ".join(f"{m:.2e}" for m in medians) + " |", flush=True)
     load = Path("/proc/loadavg")
     print(f"load average {' '.join(load.read_text().split()[:3]) if load.exists() else 'n/a'}")
 

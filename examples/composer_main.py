@@ -45,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from main_job.numerics import cpu_numerics, pin_cpu_numerics
 from main_job.records import (
     CHANNELS,
     STORAGE_OPTIONS_ENV,
@@ -92,15 +93,27 @@ def _top_k(text: str) -> int:
     return value
 
 
-def _unit(text: str) -> float:
-    """A float in [0, 1] (``--sdpo-alpha``)."""
+def _number(text: str, *, open_interval: bool) -> float:
+    """A float in [0, 1], or in (0, 1) when ``open_interval``."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    inside = 0.0 < value < 1.0 if open_interval else 0.0 <= value <= 1.0
+    if not inside:
+        span = "a probability in (0, 1)" if open_interval else "a number in [0, 1]"
+        raise argparse.ArgumentTypeError(f"expected {span}, got {text!r}")
     return value
+
+
+def _unit(text: str) -> float:
+    """A float in [0, 1] (``--sdpo-alpha``, ``--sdpo-teacher-update-rate``)."""
+    return _number(text, open_interval=False)
+
+
+def _probability(text: str) -> float:
+    """A float in (0, 1) (``--sdpo-truncate-below``)."""
+    return _number(text, open_interval=True)
 
 
 def _storage_option(text: str) -> tuple[str, Any]:
@@ -160,10 +173,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--dpo-weight", type=float, default=0.2, help="weight of channel trace_replay_dpo when it is on")
     add("--sdpo-feedback", action=argparse.BooleanOptionalAction, default=True,
         help="let SDPO's teacher read the sandbox's feedback (the tiny model learns to read it in its warm start)")  # fmt: skip
-    add("--sdpo-alpha", type=_unit, default=0.5,
-        help="SDPO's generalised-JSD alpha: 0 forward KL, 1 reverse KL, 0.5 the paper's JSD")  # fmt: skip
-    add("--sdpo-top-k", type=_top_k, default=20,
-        help="SDPO distils on the student's top-k tokens plus a tail bucket; 0: the full vocabulary")  # fmt: skip
+    add("--sdpo-alpha", type=_unit, default=0.0,
+        help="SDPO's generalised-JSD alpha: 0 forward KL (the job's choice: the only one whose gradient reaches a "
+             "token the student never writes; docs/guide.md), 1 reverse KL, 0.5 the paper's JSD")  # fmt: skip
+    add("--sdpo-top-k", type=_top_k, default=0,
+        help="SDPO distils on the student's top-k tokens plus a tail bucket; 0: the full vocabulary (the chunked "
+             "head makes it cheap)")  # fmt: skip
+    add("--sdpo-truncate-below", type=_probability, default=None,
+        help="first-error truncation: SDPO trains each rollout up to its first token the teacher gives less than this "
+             "probability, and on nothing after it (crf; off by default)")  # fmt: skip
+    add("--sdpo-teacher-update-rate", type=_unit, default=0.0,
+        help="EMA rate of SDPO's self-teacher after each step: 0 (the job's choice) keeps the warm-started policy, "
+             "frozen (TRL's teacher_model_kind='base'; an EMA teacher feeds forward KL's spread back to the student); "
+             "0.05 is SDPO's EMA; 1 the live policy")  # fmt: skip
     add("--sdpo-routing", choices=("all", "srpo"), default="all",
         help="srpo: successful rollouts train through GRPO only, failed ones through SDPO only (arXiv 2604.02288)")  # fmt: skip
     add("--sdpo-group-weight", choices=("uniform", "success_variance"), default="uniform",
@@ -330,6 +352,7 @@ def launch_replicas(opts: argparse.Namespace, job: Path, store: str) -> list[Rep
 # --------------------------------------------------------------------------- the job
 def main(argv: Sequence[str] | None = None) -> Any:
     """Run the job (or, with ``--replica``, one replica); returns the `JobOutcome` (the replica's report)."""
+    pinned = pin_cpu_numerics()  # before torch is imported: the same figures on every x86-64 machine
     opts = parse_args(argv)
     if opts.replica:
         from main_job.replica import run_replica
@@ -373,6 +396,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
     )
     sandbox = describe_sandbox()
     print(sandbox, flush=True)
+    numerics = cpu_numerics()
+    print(
+        f"CPU numerics: {numerics}"
+        + ("" if pinned else " (torch was imported before the job could pin them: figures may differ from the docs)"),
+        flush=True,
+    )
     isolation = sandbox_isolation()
 
     train, heldout = load_tasks(DATA / "tasks_train.jsonl"), load_tasks(DATA / "tasks_heldout.jsonl")
@@ -450,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> Any:
         sdpo_feedback=opts.sdpo_feedback,
         sdpo_alpha=opts.sdpo_alpha,
         sdpo_top_k=opts.sdpo_top_k or None,
+        sdpo_truncate_below=opts.sdpo_truncate_below,
+        sdpo_teacher_update_rate=opts.sdpo_teacher_update_rate,
         sdpo_routing=opts.sdpo_routing,
         sdpo_group_weight=opts.sdpo_group_weight,
         trainer=opts.trainer,
@@ -498,6 +529,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
         if Path("/proc/loadavg").exists()
         else "n/a",
         sandbox=sandbox,
+        numerics=numerics,
         hard=tuple(hard_names),
     )
     print(summary_table(outcome), flush=True)
@@ -517,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
                 "after_per_task": list(after.per_task),
                 "samples": before.samples,
                 "seconds": outcome.seconds,
+                "numerics": numerics,
                 "subsets": {
                     name: {
                         "tasks": len(b.tasks),

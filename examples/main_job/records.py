@@ -69,6 +69,8 @@ class JobSpec:
     sdpo_feedback: bool
     sdpo_alpha: float
     sdpo_top_k: int | None
+    sdpo_truncate_below: float | None
+    sdpo_teacher_update_rate: float
     sdpo_routing: str
     sdpo_group_weight: str
     trainer: str

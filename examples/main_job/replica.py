@@ -113,6 +113,7 @@ def build_trainer(spec: JobSpec, rank: int, model: Any, tokenizer: Any, reward: 
             distillation_topk=spec.sdpo_top_k,
             distillation_add_tail=spec.sdpo_top_k is not None,
             distillation_alpha=spec.sdpo_alpha,
+            teacher_update_rate=spec.sdpo_teacher_update_rate,
             **TEMPLATE_FIELDS,
         )
         return SDPOTrainer(args=sdpo, **kwargs)
@@ -127,6 +128,8 @@ def build_trainer(spec: JobSpec, rank: int, model: Any, tokenizer: Any, reward: 
         trace_replay_batch_size=4,
         sdpo_alpha=spec.sdpo_alpha,
         sdpo_top_k=spec.sdpo_top_k,
+        sdpo_truncate_below=spec.sdpo_truncate_below,
+        sdpo_teacher_update_rate=spec.sdpo_teacher_update_rate,
         sdpo_include_environment_feedback=spec.sdpo_feedback,
         sdpo_routing=spec.sdpo_routing,  # type: ignore[arg-type]
         sdpo_group_weight=spec.sdpo_group_weight,  # type: ignore[arg-type]

@@ -38,6 +38,8 @@ class JobOutcome:
     phases: dict[str, float]
     load_average: str
     sandbox: str
+    numerics: str = ""
+    """The CPU code paths the run computed with (``main_job.numerics.cpu_numerics``)."""
     hard: tuple[str, ...] = ()
     """Names of the held-out tasks in the hard subset."""
 
@@ -175,6 +177,8 @@ def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
         f"Wall time {outcome.seconds:.0f} s ({phases}); load average at the end: {outcome.load_average}.",
         "",
         outcome.sandbox,
+        "",
+        f"CPU numerics: {outcome.numerics or 'not recorded'} (`main_job.numerics`).",
         "",
         f"![curves]({plot_name})",
         "",

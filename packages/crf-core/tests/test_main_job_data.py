@@ -137,7 +137,7 @@ SPEC: dict[str, Any] = dict(
     output_dir="out", model_dir="m", train_tasks="t.jsonl", pairs=None, steps=20, sync_every=10,
     prompts_per_step=2, generations=8, max_completion_length=12, lr=1e-3, temperature=1.0,
     weights={"grpo": 1.0, "sdpo_jsd": 0.0, "trace_replay_dpo": 0.0}, sdpo_feedback=False, sdpo_alpha=0.5,
-    sdpo_top_k=20, sdpo_routing="all", sdpo_group_weight="uniform", trainer="crf", outer_lr=1.0,
+    sdpo_top_k=20, sdpo_truncate_below=None, sdpo_teacher_update_rate=0.05, sdpo_routing="all", sdpo_group_weight="uniform", trainer="crf", outer_lr=1.0,
     outer_momentum=0.0, sync_timeout=60.0, codec="fp32", isolation="bwrap", sandbox_timeout=3.0, seed=0,
     threads=1, device="cpu",
 )  # fmt: skip

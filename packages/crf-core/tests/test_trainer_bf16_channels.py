@@ -25,12 +25,12 @@ if tuple(int(part) for part in _TRL.split(".")[:2]) < (1, 16):
         allow_module_level=True,
     )
 
-import torch
-from datasets import Dataset
-from trl.trainer.utils import add_fused_lm_head
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer
-from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+from crf_core.trainer import ComposerConfig, ComposerReplicationTrainer  # noqa: E402
+from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm  # noqa: E402
 
 TOL = 2e-5
 

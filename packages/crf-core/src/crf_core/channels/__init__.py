@@ -21,7 +21,7 @@ from crf_core.channels.head import (
     token_mean,
 )
 from crf_core.channels.lm_ce import lm_ce_term
-from crf_core.channels.sdpo import SDPO_WRAPPERS, SDPOChannel, SDPOConfig, SDPOTargets
+from crf_core.channels.sdpo import SDPO_WRAPPERS, SDPOChannel, SDPOConfig, SDPOTargets, first_error_mask
 from crf_core.channels.trace_replay_dpo import (
     DPO_VARIANTS,
     PreferenceConfig,
@@ -48,6 +48,7 @@ __all__ = [
     "SequenceBatch",
     "SequenceLogps",
     "TraceReplayDPOChannel",
+    "first_error_mask",
     "hidden_source",
     "lm_ce_term",
     "logits_source",

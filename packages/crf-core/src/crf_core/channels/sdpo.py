@@ -40,7 +40,7 @@ from crf_distill import (
     token_logprobs,
 )
 
-__all__ = ["SDPO_WRAPPERS", "SDPOChannel", "SDPOConfig", "SDPOTargets"]
+__all__ = ["SDPO_WRAPPERS", "SDPOChannel", "SDPOConfig", "SDPOTargets", "first_error_mask"]
 
 SDPOWrapper = Literal["taid", "entropy_opd"]
 SDPO_WRAPPERS: tuple[str | None, ...] = (None, "taid", "entropy_opd")
@@ -62,6 +62,10 @@ class SDPOConfig:
             ``clamp(H / h_max, 0, 1)``.
         entropy_opd_sharpness: ``s`` of the sigmoid gate.
         entropy_opd_forward_weight: weight of the gated forward-KL term.
+        truncate_below: first-error truncation (crf; see `first_error_mask`): a completion's first token to
+            which the teacher gives a probability below this is where the rollout went wrong; SDPO trains on
+            the tokens up to and including it and on none after it (the teacher there reads a context it would
+            not have written). None (default) trains on every completion token, as SDPO does.
     """
 
     alpha: float = 0.5
@@ -73,8 +77,16 @@ class SDPOConfig:
     entropy_opd_gate: EntropyGate = "hard"
     entropy_opd_sharpness: float = 5.0
     entropy_opd_forward_weight: float = 1.0
+    truncate_below: float | None = None
 
     def __post_init__(self) -> None:
+        if self.truncate_below is not None:
+            check_number("sdpo_truncate_below", self.truncate_below, low=0.0, low_inclusive=False, none_means="off")
+            if not self.truncate_below < 1.0:
+                raise ValueError(
+                    f"sdpo_truncate_below is a probability in (0, 1), got {self.truncate_below!r}; e.g. 0.1, or None "
+                    "to train on every completion token"
+                )
         check_unit("sdpo_alpha", self.alpha)
         check_optional_int("sdpo_top_k", self.top_k, low=1, none_means="the full vocabulary")
         if not isinstance(self.add_tail, bool):
@@ -176,3 +188,34 @@ class SDPOChannel:
             return generalized_jsd_per_token(student, target, alpha=cfg.alpha, top_k=cfg.top_k, add_tail=cfg.add_tail)
 
         return RowTerm(per_row, active=active)
+
+
+def first_error_mask(teacher_logprobs: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``mask`` with every token after each row's first error zeroed (first-error truncation, crf).
+
+    A row's first error is its first token with ``mask > 0`` whose teacher log-prob is below ``log(threshold)``:
+    the teacher, reading the feedback, would not have written it. The error itself is kept (there the teacher's
+    distribution says what to write instead); later tokens are not, since the teacher's predictions there are
+    conditioned on a prefix it would not have produced. Why it matters: a mass-covering divergence (forward KL)
+    distilled on those later tokens teaches the student whatever the teacher makes of the wrong prefix, and with
+    a self-teacher that tracks the student (EMA) the two feed each other.
+
+    Args:
+        teacher_logprobs: ``(B, C)`` teacher log-probs of the sampled completion tokens.
+        mask: ``(B, C)`` 0/1 (or weights) on the tokens SDPO may train on.
+        threshold: probability in (0, 1).
+
+    Returns:
+        ``(B, C)`` mask of ``mask``'s dtype.
+    """
+    if not isinstance(teacher_logprobs, torch.Tensor) or not teacher_logprobs.is_floating_point():
+        raise TypeError("teacher_logprobs must be a floating-point tensor of log-probs")
+    if teacher_logprobs.dim() != 2 or tuple(mask.shape) != tuple(teacher_logprobs.shape):
+        raise ValueError(
+            f"teacher_logprobs and mask must both be (B, C), got {tuple(teacher_logprobs.shape)} and {tuple(mask.shape)}"
+        )
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold < 1.0:
+        raise ValueError(f"threshold must be a probability in (0, 1), got {threshold!r}")
+    error = ((teacher_logprobs.detach() < math.log(threshold)) & (mask > 0)).long()
+    after = (error.cumsum(dim=1) - error) > 0  # strictly after the first error
+    return mask * (~after).to(mask.dtype)

@@ -19,6 +19,7 @@ from trl import GRPOConfig
 
 from crf_core.channels import ChunkPlan, PreferenceConfig, SDPOConfig
 from crf_core.channels._validate import check_weight
+from crf_core.trainer.pairs import PAIR_RENDERINGS
 from crf_core.trainer.reprompt import (
     DEFAULT_FEEDBACK_TEMPLATE,
     DEFAULT_REPROMPT_TEMPLATE,
@@ -131,6 +132,14 @@ class ComposerConfig(GRPOConfig):
     entropy_opd_sharpness: float = field(default=5.0, metadata={"help": "Entropy-OPD: s of the sigmoid gate."})
     entropy_opd_forward_weight: float = field(
         default=1.0, metadata={"help": "Entropy-OPD: weight of the gated forward-KL term."}
+    )
+    sdpo_truncate_below: float | None = field(
+        default=None,
+        metadata={
+            "help": "First-error truncation (crf): a completion's first token whose teacher probability is below "
+            "this is where the rollout went wrong; SDPO trains up to and including it and on nothing after it. "
+            "None trains on every completion token (SDPO)."
+        },
     )
 
     # ----------------------------------------------------------------- LM head execution
@@ -413,6 +422,16 @@ class ComposerConfig(GRPOConfig):
             "help": "Longest prompt+response in tokens; the prompt is cut from the left, the response from the right."
         },
     )
+    trace_replay_render: str = field(
+        default="auto",
+        metadata={
+            "help": "How trace-replay pairs become tokens: 'chat' (prompt_messages + chosen/rejected_messages rendered "
+            "with the chat template and the record's tools, the conversation intact; only the response's assistant "
+            "turns, tool calls included, are scored, never tool results), 'flat' (the flat chosen/rejected text after "
+            "the prompt), or 'auto' ('chat' for records with the message lists when the chat template renders tool "
+            "calls and tool results, else 'flat')."
+        },
+    )
     trace_replay_reference: str = field(
         default="auto",
         metadata={
@@ -461,6 +480,8 @@ class ComposerConfig(GRPOConfig):
             raise ValueError(f"trace_replay_batch_size must be a positive int, got {self.trace_replay_batch_size!r}")
         if not (isinstance(self.trace_replay_max_length, int) and self.trace_replay_max_length >= 2):
             raise ValueError(f"trace_replay_max_length must be an int ≥ 2, got {self.trace_replay_max_length!r}")
+        if self.trace_replay_render not in PAIR_RENDERINGS:
+            raise ValueError(f"trace_replay_render must be one of {PAIR_RENDERINGS}, got {self.trace_replay_render!r}")
         if self.trace_replay_reference not in TRACE_REPLAY_REFERENCES:
             raise ValueError(
                 f"trace_replay_reference must be one of {TRACE_REPLAY_REFERENCES}, got {self.trace_replay_reference!r}"
@@ -521,6 +542,7 @@ class ComposerConfig(GRPOConfig):
             entropy_opd_gate=self.entropy_opd_gate,  # type: ignore[arg-type]
             entropy_opd_sharpness=self.entropy_opd_sharpness,
             entropy_opd_forward_weight=self.entropy_opd_forward_weight,
+            truncate_below=self.sdpo_truncate_below,
         )
 
     def _resolve_trl_dpo_aliases(self) -> None:

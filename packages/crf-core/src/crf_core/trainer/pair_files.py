@@ -2,8 +2,10 @@
 
 Every format crf-replaysim reads is accepted: its own records (``schema_version`` 1.x) and TRL's standard and
 conversational preference rows. A bad line (bad JSON or encoding, wrong schema, a newer major schema version) is
-skipped and reported with its line number, or, with ``strict``, fails the run. Chat pairs keep their prompt
-messages (rendered with the tokenizer's chat template); TRL standard rows train on the flat prompt as written.
+skipped and reported with its line number, or, with ``strict``, fails the run. Chat pairs keep their conversation:
+``prompt_messages``, ``chosen_messages`` and ``rejected_messages`` (tool calls and tool results included) and the
+trace's tool schemas (``meta.tools``, as ``tools``), rendered by ``crf_core.trainer.pairs``; TRL standard rows
+train on the flat prompt as written.
 Precomputed reference log-probs may ride in a record's ``meta`` as ``ref_chosen_logps``/``ref_rejected_logps``.
 """
 
@@ -21,8 +23,9 @@ _REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 def read_pair_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[dict[str, Any]]:
-    """The trainer's records (``prompt``/``chosen``/``rejected`` and, for chat pairs, ``prompt_messages``) of a
-    pair file; bad lines are logged and skipped (``strict``: the first raises ``crf_replaysim.RecordError``)."""
+    """The trainer's records (``prompt``/``chosen``/``rejected`` and, for chat pairs, the three message lists and
+    ``tools``) of a pair file; bad lines are logged and skipped (``strict``: the first raises
+    ``crf_replaysim.RecordError``)."""
     from crf_replaysim import RecordError, read_pairs
 
     records: list[dict[str, Any]] = []
@@ -35,6 +38,11 @@ def read_pair_file(path: str | os.PathLike[str], *, strict: bool = False) -> lis
         record: dict[str, Any] = {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected}
         if item.chat:
             record["prompt_messages"] = pair.prompt_messages
+            record["chosen_messages"] = pair.chosen_messages
+            record["rejected_messages"] = pair.rejected_messages
+            tools = pair.meta.get("tools")
+            if isinstance(tools, list) and all(isinstance(t, dict) for t in tools):
+                record["tools"] = tools
         record.update({key: pair.meta[key] for key in _REFERENCE_KEYS if key in pair.meta})
         records.append(record)
     if bad:

@@ -6,8 +6,11 @@ Source: SDPO (Hübotter et al., arXiv 2601.20802), reference code lasgroup/SDPO
 
 * the **demonstration** is the first *other* successful rollout of the group (reward ≥
   ``success_reward_threshold``; the sample's own response is excluded when
-  ``dont_reprompt_on_self_success``), with ``<think>…</think>`` removed when asked;
-* the **feedback** is the non-empty string a reward function reported for rollout ``i``, used when
+  ``dont_reprompt_on_self_success``), with ``<think>…</think>`` removed when asked; of a multi-turn,
+  tool-calling rollout it is what the assistant did (``crf_core.messages.action_text``: each turn's text and
+  ``name(arguments)`` per tool call, tool results left out);
+* the **feedback** is the non-empty string a reward function reported for rollout ``i`` (or the rollout's
+  environment, for TRL's ``environment_factory``: ``crf_core.trainer.episodes``), used when
   ``include_environment_feedback`` (and, with ``environment_feedback_only_without_solution``, only
   when there is no demonstration);
 * the teacher prompt is ``reprompt_template.format(prompt=…, solution=…, feedback=…)``. For chat
@@ -26,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from crf_core.messages import PromptLike, content_text, message_text
+from crf_core.messages import PromptLike, action_text, content_text, message_text
 
 __all__ = [
     "DEFAULT_FEEDBACK_TEMPLATE",
@@ -210,7 +213,7 @@ def build_reprompts(
             )
             demo = None
             if demo_index is not None:
-                demo = message_text(completions[demo_index])
+                demo = action_text(completions[demo_index])
                 if cfg.remove_thinking_from_demonstration:
                     demo = strip_thinking(demo)
             raw = feedback[i] if feedback is not None else None

@@ -25,7 +25,9 @@ parameter bytes of the model copies they hold (``crf_core.trainer.startup``).
 
 Data flow: ``_calculate_rewards`` is wrapped to keep each generation batch's prompts, completions and
 gathered rewards; reward functions report feedback through TRL's ``log_extra(sdpo_feedback_key, …)``,
-captured by the ``_log_completion_extra`` override; ``_generate_and_score_completions`` then adds
+captured by the ``_log_completion_extra`` override, and the environments of multi-turn rollouts
+(``environment_factory``) through their ``feedback`` attribute (``crf_core.trainer.episodes``);
+``_generate_and_score_completions`` then adds
 ``sdpo_teacher_prompt_ids``/``sdpo_teacher_prompt_mask`` ``(B, L)`` and ``sdpo_mask`` ``(B,)`` to the batch.
 
 State that outlives a step (EMA teacher, TAID schedule, pair cursor) is saved with every checkpoint, with the
@@ -61,6 +63,7 @@ from crf_core.channels import (
     SequenceBatch,
     SequenceLogps,
     TraceReplayDPOChannel,
+    first_error_mask,
     hidden_source,
     score_completions,
     token_mean,
@@ -72,6 +75,7 @@ from crf_core.trainer._trl_contract import (
     check_trl_contract,
 )
 from crf_core.trainer.config import ComposerConfig
+from crf_core.trainer.episodes import environment_feedback
 from crf_core.trainer.pairs import PairCursor, TokenizedPair, check_pair_records, collate_pairs, tokenize_pairs
 from crf_core.trainer.reprompt import PromptLike, build_reprompts
 from crf_core.trainer.sdpo_routing import route_samples
@@ -326,10 +330,14 @@ class ComposerReplicationTrainer(GRPOTrainer):
         return output
 
     def _local_feedback(self, n: int) -> list[str | None] | None:
-        if not self._feedback_calls:
+        calls = list(self._feedback_calls)
+        episode = environment_feedback(getattr(self, "environments", None), n)  # multi-turn rollouts' environments
+        if episode is not None:
+            calls.append(episode)
+        if not calls:
             return None
         merged: list[str | None] = [None] * n
-        for values in self._feedback_calls:
+        for values in calls:
             if len(values) != n:
                 raise ValueError(
                     f"a reward function logged {len(values)} '{self.composer_args.sdpo_feedback_key}' values for "
@@ -547,6 +555,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
         teacher, states = self.teacher_states(model, t_ids, t_mask)
         t_states = states.tensor[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + c]
         flat = t_states.reshape(rows.numel() * c, -1)
+        threshold = self.sdpo.config.truncate_below
+        if threshold is not None:  # first-error truncation: nothing after the teacher's first disagreement
+            with torch.no_grad():
+                scored = teacher.score(flat, completion_ids[rows].reshape(-1), is_logits=states.is_logits)
+            kept = first_error_mask(scored.logprobs.reshape(rows.numel(), c), token_mask[rows], threshold)
+            token_mask = token_mask.clone()
+            token_mask[rows] = kept.to(token_mask.dtype)
         slot = torch.full((signal.shape[0],), -1, dtype=torch.long, device=signal.device)
         slot[rows] = torch.arange(rows.numel(), device=signal.device)
         sdpo, taid_t = self.sdpo, None if self.taid_schedule is None else self.taid_schedule.t
@@ -622,7 +637,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         records = _read_pairs(source, strict=cfg.trace_replay_strict)
         tokenizer = getattr(self._processor, "tokenizer", self._processor)
-        self._pairs = tokenize_pairs(records, tokenizer, cfg.trace_replay_max_length)
+        self._pairs = tokenize_pairs(records, tokenizer, cfg.trace_replay_max_length, cfg.trace_replay_render)
         self.pair_cursor = PairCursor(
             len(self._pairs),
             cfg.trace_replay_batch_size,
