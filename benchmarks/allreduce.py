@@ -9,6 +9,8 @@ What is measured
     * ``floor-local``: the protocol's file traffic and arithmetic alone on the same folder (write the
       payload, reduce one shard from ranged reads, write it, read the others, copy back; no records,
       MACs, checks or decision): what the protocol costs on top of its I/O is objstore − floor;
+    * ``floor-concurrent``: the same traffic with the protocol's concurrency (background writes, the other replicas'
+      slices and reduced shards read at once by a thread pool); the I/O floor is the faster of the two floors;
     * ``naive-local``: a naive file all-gather on the same folder (each replica writes its tensor,
       reads all the others' and sums them), the scheme the protocol replaces;
     * ``objstore-s3``: :class:`crf_diloco.ObjectStoreAllReduce` on ``s3://`` against moto's S3 server
@@ -145,6 +147,61 @@ def _floor_local(t: Any, folder: str, rank: int, world_size: int, tag: str) -> N
     t.copy_(result)
 
 
+_POOL: list[Any] = []
+
+
+def _floor_local_concurrent(t: Any, folder: str, rank: int, world_size: int, tag: str) -> None:
+    """`_floor_local`'s traffic with the concurrency the protocol uses: the payload and the reduced shard are
+    written on a background thread, the other replicas' slices and reduced shards are read by a pool at once."""
+    import concurrent.futures
+
+    import torch
+
+    if not _POOL:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(16))
+    pool = _POOL[0]
+    n = t.numel()
+    bounds = [k * n // world_size for k in range(world_size + 1)]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    key = ("concurrent", n)
+    if key not in _FLOOR_BUFFERS:
+        _FLOOR_BUFFERS[key] = (torch.empty(n), [torch.empty(hi - lo) for _ in range(world_size)])
+    result, scratch = _FLOOR_BUFFERS[key]
+    _drop_own_files()
+    os.makedirs(folder, exist_ok=True)
+    writes = [pool.submit(_write_file, os.path.join(folder, f"{tag}-data-{rank}"), memoryview(t.numpy()).cast("B"))]
+    _OWN_FILES.extend(os.path.join(folder, f"{tag}-{kind}-{rank}") for kind in ("data", "reduced"))
+    reads = {
+        r: pool.submit(
+            _pread_when_there, os.path.join(folder, f"{tag}-data-{r}"), 4 * lo, memoryview(scratch[r].numpy()).cast("B")
+        )
+        for r in range(world_size)
+        if r != rank
+    }
+    acc = result[lo:hi]
+    for r in range(world_size):
+        if r != rank:
+            reads[r].result()
+        src = t[lo:hi] if r == rank else scratch[r]
+        acc.copy_(src) if r == 0 else acc.add_(src)
+    acc /= world_size
+    writes.append(pool.submit(_write_file, os.path.join(folder, f"{tag}-reduced-{rank}"),
+                              memoryview(acc.numpy()).cast("B")))  # fmt: skip
+    gathers = [
+        pool.submit(
+            _pread_when_there,
+            os.path.join(folder, f"{tag}-reduced-{k}"),
+            0,
+            memoryview(result[bounds[k] : bounds[k + 1]].numpy()).cast("B"),
+        )
+        for k in range(world_size)
+        if k != rank
+    ]
+    for future in [*gathers, *writes]:
+        future.result()
+    t.copy_(result)
+
+
 def _worker(rank: int, world_size: int, port: int, jobs: list[dict[str, Any]], out: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -166,6 +223,8 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict[str, Any]], o
             _naive_allgather(t, job["uri"], rank, world_size, job["tag"])
         elif job["kind"] == "floor-local":
             _floor_local(t, job["uri"], rank, world_size, job["tag"])
+        elif job["kind"] == "floor-local-concurrent":
+            _floor_local_concurrent(t, job["uri"], rank, world_size, job["tag"])
         else:
             key = (job["uri"], job["run_id"])
             if key not in reducers:
@@ -347,6 +406,15 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 jobs.append(
                     {
+                        "kind": "floor-local-concurrent",
+                        "numel": numel,
+                        "uri": os.path.join(folder, "floor-concurrent"),
+                        "tag": f"{numel}-{rep}",
+                        "label": f"floor-concurrent/{numel}",
+                    }
+                )
+                jobs.append(
+                    {
                         "kind": "naive-local",
                         "numel": numel,
                         "uri": os.path.join(folder, "naive"),
@@ -380,14 +448,16 @@ def main(argv: list[str] | None = None) -> None:
         f"local folder: {folder}; {os.cpu_count()} CPUs, load average {load_start:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end"
     )
-    print(f"{'elements':>10} {'variant':<16} {'time':>8} {'ratio':>7}")
+    print(f"{'elements':>10} {'variant':<18} {'time':>8} {'ratio':>7} {'/ floor':>8}")
     for numel in sizes:
         gloo = statistics.median(times[f"gloo/{numel}"])
-        for variant in ("gloo", "objstore-local", "floor-local", "naive-local", "objstore-s3"):
+        floor = min(statistics.median(times[f"{v}/{numel}"]) for v in ("floor-local", "floor-concurrent"))
+        for variant in ("gloo", "objstore-local", "floor-local", "floor-concurrent", "naive-local", "objstore-s3"):
             key = f"{variant}/{numel}"
             if key in times:
                 t = statistics.median(times[key])
-                print(f"{numel:>10,} {variant:<16} {t:>8.3f} {t / gloo:>7.2f}")
+                print(f"{numel:>10,} {variant:<18} {t:>8.3f} {t / gloo:>7.2f} {t / floor:>8.2f}")
+    print("ratio: / Gloo; / floor: / the faster of floor-local and floor-concurrent (the protocol's own I/O floor)")
     _bytes_table(_parse_size(args.bytes_numel))
 
 

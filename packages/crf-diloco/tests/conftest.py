@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +17,8 @@ import torch
 from fsspec import AbstractFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
+
+sys.path.insert(0, str(Path(__file__).parent))  # test support modules beside this file (s3_server, wan_proxy)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -177,37 +179,84 @@ def fault_rule() -> Callable[..., dict[str, Any]]:
     return add_rule
 
 
-class OverwritingFileSystem(AbstractFileSystem):
+class DictFileSystem(AbstractFileSystem):
+    """Objects in a dict of the subclass (``objects``), behind a protocol of its own. ``create_only``: whether
+    ``pipe_file(mode="create")`` refuses a key that exists; ``hooks`` may replace what a ranged read returns:
+    ``hook(start, end, key, answer) -> bytes | None``. Neither a local nor a memory filesystem, so the protocol treats
+    it as a remote store."""
+
+    objects: ClassVar[dict[str, bytes]]
+    hooks: ClassVar[list[Callable[[int | None, int | None, str, bytes], bytes | None]]]
+    create_only: ClassVar[bool] = True
+    lock = threading.Lock()
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        return str(path).removeprefix(f"{cls.protocol}://").strip("/")
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        key = self._strip_protocol(path)
+        with self.lock:
+            if mode == "create" and self.create_only and key in self.objects:
+                raise FileExistsError(path)
+            self.objects[key] = bytes(value)
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        key = self._strip_protocol(path)
+        with self.lock:
+            if key not in self.objects:
+                raise FileNotFoundError(path)
+            answer = self.objects[key][start:end]
+        for hook in list(self.hooks):
+            changed = hook(start, end, key, answer)
+            if changed is not None:
+                answer = changed
+        return answer
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        key = self._strip_protocol(path)
+        with self.lock:
+            return key in self.objects or any(k.startswith(key + "/") for k in self.objects)
+
+    def ls(self, path: str, detail: bool = False, **kwargs: Any) -> list[Any]:
+        prefix = self._strip_protocol(path) + "/"
+        with self.lock:
+            return sorted({prefix + k[len(prefix) :].split("/")[0] for k in self.objects if k.startswith(prefix)})
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        key = self._strip_protocol(path)
+        with self.lock:
+            for k in [k for k in self.objects if k == key or k.startswith(key + "/")]:
+                del self.objects[k]
+
+
+class OverwritingFileSystem(DictFileSystem):
     """A store that ignores create-only: ``pipe_file(mode="create")`` overwrites (backed by a dict)."""
 
     protocol = "crfoverwrite"
     objects: ClassVar[dict[str, bytes]] = {}
+    hooks: ClassVar[list[Any]] = []
+    create_only = False
 
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> str:
-        return str(path).removeprefix("crfoverwrite://").strip("/")
 
-    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
-        self.objects[self._strip_protocol(path)] = bytes(value)
+class RemoteFileSystem(DictFileSystem):
+    """A create-only store the protocol treats as remote (early reads, one-request reduced shards)."""
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-        key = self._strip_protocol(path)
-        if key not in self.objects:
-            raise FileNotFoundError(path)
-        return self.objects[key][start:end]
+    protocol = "crfremote"
+    objects: ClassVar[dict[str, bytes]] = {}
+    hooks: ClassVar[list[Any]] = []
 
-    def exists(self, path: str, **kwargs: Any) -> bool:
-        key = self._strip_protocol(path)
-        return key in self.objects or any(k.startswith(key + "/") for k in self.objects)
 
-    def ls(self, path: str, detail: bool = False, **kwargs: Any) -> list[Any]:
-        prefix = self._strip_protocol(path) + "/"
-        return sorted({prefix + k[len(prefix) :].split("/")[0] for k in self.objects if k.startswith(prefix)})
-
-    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
-        key = self._strip_protocol(path)
-        for k in [k for k in self.objects if k == key or k.startswith(key + "/")]:
-            del self.objects[k]
+@pytest.fixture
+def remote() -> Iterator[type[RemoteFileSystem]]:
+    """The ``crfremote://`` filesystem class (create-only, remote to the protocol; add read ``hooks``); cleared
+    afterwards."""
+    register_implementation("crfremote", RemoteFileSystem, clobber=True)
+    RemoteFileSystem.objects.clear()
+    RemoteFileSystem.hooks.clear()
+    yield RemoteFileSystem
+    RemoteFileSystem.objects.clear()
+    RemoteFileSystem.hooks.clear()
 
 
 @pytest.fixture
@@ -223,32 +272,13 @@ def overwriting_store() -> Iterator[type[OverwritingFileSystem]]:
 @pytest.fixture(scope="module")
 def moto_s3() -> Iterator[dict[str, Any]]:
     """A moto S3 server on 127.0.0.1 (free port) with one bucket; yields ``bucket`` and ``storage_options``."""
-    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("boto3")
     pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        bucket = "crf-diloco-test"
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        ).create_bucket(Bucket=bucket)
-        options = {
-            "key": "testing",
-            "secret": "testing",
-            "endpoint_url": endpoint,
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
-        yield {"bucket": bucket, "storage_options": options, "endpoint": endpoint}
-    finally:
-        server.stop()
+    pytest.importorskip("moto.server")
+    from s3_server import moto_s3_server
+
+    with moto_s3_server() as s3:
+        yield {"bucket": s3.bucket, "storage_options": s3.storage_options(), "endpoint": s3.endpoint}
 
 
 # -- outputs of replica_scripts/diloco_replica.py ------------------------------------------------------------------

@@ -1,5 +1,10 @@
 """`ObjectStoreAllReduce`: allreduce through nothing but an object store.
 
+This module is the public API and the order of a round's phases; each phase lives in its own module of
+:mod:`crf_diloco.rounds` (``round``: the `Round` record and `poll_until`; ``quorum``; ``reduce``: contribute and
+reduce-scatter; ``gather``; ``vote``: decisions and votes; ``frontier``: joining and collection), and healing with
+state snapshots in :mod:`crf_diloco.healing`.
+
 Protocol of one round ``r`` (keys in :mod:`crf_diloco.layout`, records in :mod:`crf_diloco.records`, wire format in
 :mod:`crf_diloco.wire`; every object is authenticated with the run's secret, :mod:`crf_diloco.auth`):
 
@@ -38,16 +43,10 @@ headers), independent of the world size.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import json
+import dataclasses
 import logging
 import os
-import random
-import threading
-import time
-import uuid
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -62,54 +61,30 @@ from crf_diloco.errors import (
     RoundDesyncError,
     RoundTimeoutError,
 )
-from crf_diloco.layout import LAYOUT_VERSION, RoundKeys, parse_round_dir, validate_name
-from crf_diloco.payload import (
-    as_tensor_list,
-    codec_of,
-    count_nonfinite,
-    dtype_runs,
-    flatten,
-    nonfinite_as_dtypes,
-    write_back,
-)
-from crf_diloco.records import (
-    DecisionRecord,
-    MemberRecord,
-    PayloadSpec,
-    QuorumRecord,
-    VoteRecord,
-    ranks_named,
-)
+from crf_diloco.healing import StateSnapshots
+from crf_diloco.layout import RoundKeys, validate_name
+from crf_diloco.payload import as_tensor_list, codec_of, count_nonfinite, dtype_runs, flatten, write_back
+from crf_diloco.records import DecisionRecord, PayloadSpec, QuorumRecord, ranks_named
 from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_SECRET, ENV_URI, ENV_WORLD_SIZE
+from crf_diloco.rounds import frontier as run_frontier
+from crf_diloco.rounds import quorum as quorum_phase
+from crf_diloco.rounds import reduce as reduce_phase
+from crf_diloco.rounds import vote as vote_phase
+from crf_diloco.rounds.feedback import parse_stream_key, residual_of, stream_key
+from crf_diloco.rounds.gather import gather
+from crf_diloco.rounds.peer import Peer
+from crf_diloco.rounds.round import Round, RoundFailure, RoundSettings, why
 from crf_diloco.store import ObjectStore, validate_uri
-from crf_diloco.strictjson import parse_json_object
-from crf_diloco.wire import (
-    Header,
-    Scratch,
-    check_payload_header,
-    encode_payload,
-    encode_reduced,
-    header_probe,
-    parse_codec,
-    read_header,
-    read_payload_shard,
-    read_reduced,
-    wire_roundtrip,
-)
+from crf_diloco.wire import decode_payload_blob, encode_payload
 
 __all__ = ["ObjectStoreAllReduce", "RoundInfo"]
 
 
 logger = logging.getLogger(__name__)
 TensorOrList = TypeVar("TensorOrList", torch.Tensor, Sequence[torch.Tensor])
-R = TypeVar("R")
 #: ``"bf16"``, ``"int8"``, ``"int4"``, ``"int4:<block>"``, ``"topk"`` or ``"topk:<k>/<block>"`` (`crf_diloco.wire.parse_codec`)
 Compression = str
 _UNSET: Any = object()
-_MAX_RECORD = 1 << 20
-#: what collection deletes from a round (its decision stays as the tombstone)
-_ROUND_PARTS = ("quorum.json", "members", "data", "reduced", "votes")  # quorum first: then a check sees it gone
-Pending = list["concurrent.futures.Future[None]"]
 
 
 @dataclass(frozen=True)
@@ -121,20 +96,6 @@ class RoundInfo:
     participants: list[int] = field(default_factory=list)
     participated: bool = False
     reason: str = ""
-
-
-@dataclass(frozen=True)
-class _OpenRound:
-    """A round whose data phase is done and whose decision waits for the vote."""
-
-    keys: RoundKeys
-    quorum: QuorumRecord
-    participated: bool
-    staged: tuple[str, torch.Tensor] | None = None
-
-
-class _Abort(Exception):
-    """Internal: this replica wants the round aborted (reason in args[0])."""
 
 
 class ObjectStoreAllReduce:
@@ -157,7 +118,8 @@ class ObjectStoreAllReduce:
             ``topk`` keep a per-replica error-feedback residual (:meth:`state_dict`).
         storage_options: fsspec options (e.g. ``{"endpoint_url": ...}``, credentials).
         min_participants: a quorum with fewer participants aborts the round.
-        poll_interval: longest sleep between two polls of the store (seconds).
+        poll_interval: longest sleep between two polls of the store (seconds); default 0.01 on a local folder or
+            ``memory://`` (a poll costs microseconds there), 0.05 elsewhere (each poll is a request).
         straggler_grace: seconds into the data phase after which any replica covers a missing reduced shard
             (default ``timeout / 3``).
         keep_rounds: round directories older than this many rounds are deleted by the lowest participant after
@@ -180,7 +142,7 @@ class ObjectStoreAllReduce:
         compression: Compression | None = None,
         storage_options: dict[str, Any] | None = None,
         min_participants: int = 1,
-        poll_interval: float = 0.05,
+        poll_interval: float | None = None,
         straggler_grace: float | None = None,
         keep_rounds: int = 2,
         retries: int = 3,
@@ -190,7 +152,7 @@ class ObjectStoreAllReduce:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-        for label, value in (("timeout", timeout), ("poll_interval", poll_interval)):
+        for label, value in (("timeout", timeout), ("poll_interval", 1.0 if poll_interval is None else poll_interval)):
             if not value > 0:
                 raise ValueError(f"{label} must be > 0 seconds, got {value!r}")
         if quorum_timeout is not None and not quorum_timeout > 0:
@@ -211,25 +173,23 @@ class ObjectStoreAllReduce:
         self.quorum_timeout = float(quorum_timeout) if quorum_timeout is not None else self.timeout
         self.compression: Compression | None = None if compression is None else codec
         self.min_participants = min_participants
-        self.poll_interval = float(poll_interval)
         self.straggler_grace = float(straggler_grace) if straggler_grace is not None else self.timeout / 3
         self.keep_rounds = keep_rounds
         self.round_id = 0
-        self.incarnation = uuid.uuid4().hex
         self.last_round: RoundInfo | None = None
         self.store = ObjectStore(f"{uri.rstrip('/')}/{self.run_id}", storage_options, retries=retries)
-        self._joined = False
+        self._peer = Peer(self.store, self.auth, rank, world_size)
+        if poll_interval is None:
+            poll_interval = 0.01 if self.store.protocol in ("file", "local", "memory") else 0.05
+        self.poll_interval = float(poll_interval)
+        self._snapshots: StateSnapshots | None = None
         self._store_checked = False
         self._layout_ok = False
         self._expected: set[int] | None = None
-        self._open: list[_OpenRound] = []
-        self._bad_decisions: set[int] = set()
+        self._announcers: tuple[QuorumRecord | None, concurrent.futures.Future[set[int]]] | None = None
+        self._open: list[Round] = []
         self._closed = False
-        self._scratch = Scratch()
         self._residuals: dict[str, torch.Tensor] = {}
-        self._staged: tuple[str, torch.Tensor] | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
         if preflight:
             self.preflight()
 
@@ -265,6 +225,23 @@ class ObjectStoreAllReduce:
             self._store_checked = True
 
     @property
+    def incarnation(self) -> str:
+        """This process's nonce: a restarted replica is another incarnation of its rank."""
+        return self._peer.incarnation
+
+    @property
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        """The background writer threads (``None`` until the first background write)."""
+        return self._peer.pool
+
+    def snapshots(self) -> StateSnapshots:
+        """The run's global state snapshots (``state/r{round}.safetensors``), authenticated with its secret; what
+        `MockManager` writes after a commit and a replica that is behind heals from (:mod:`crf_diloco.healing`)."""
+        if self._snapshots is None:
+            self._snapshots = StateSnapshots(self.store, self.auth)
+        return self._snapshots
+
+    @property
     def bytes_read(self) -> int:
         return self.store.bytes_read
 
@@ -275,11 +252,7 @@ class ObjectStoreAllReduce:
     def close(self) -> None:
         """Mark the instance closed (further rounds raise), finish background work, free buffers."""
         self._closed = True
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        self._scratch.clear()
+        self._peer.close()
 
     def __enter__(self) -> ObjectStoreAllReduce:
         return self
@@ -332,9 +305,9 @@ class ObjectStoreAllReduce:
             self.round_id += 1
             return tensors
         self._join()
-        flat = flatten(tensor_list, self._scratch)
+        flat = flatten(tensor_list, self._peer.scratch)
         spec = PayloadSpec(flat.numel(), codec, op, name, defer_decision, dtype_runs(tensor_list))
-        residual = self._residual_for(_stream_key(spec)) if participate else None
+        residual = self._residual_for(stream_key(spec)) if participate else None
         if residual is not None:
             flat = flat + residual  # a new tensor: the inputs stay as they are if the round fails
         veto = self._veto_for(flat) if participate else None
@@ -345,11 +318,10 @@ class ObjectStoreAllReduce:
             self.abort(veto)
             raise RoundAbortedError(f"round {round_id} aborted: {veto} (this replica vetoed it)")
         round_id = self.round_id
-        self._staged = None
+        rnd = Round(RoundKeys(round_id), self._settings(), spec, participate)
         try:
-            result = self._run_round(round_id, flat, spec, participate)
+            result = self._run_round(rnd, flat)
         finally:
-            self._staged = None
             self.round_id = round_id + 1
         write_back(tensor_list, result)
         return tensors
@@ -358,6 +330,10 @@ class ObjectStoreAllReduce:
         """Why this replica must veto its contribution (NaN/inf in it), or ``None``."""
         bad = count_nonfinite(flat)
         return f"rank {self.rank}'s contribution has {bad} NaN/inf value(s)" if bad else None
+
+    def _settings(self) -> RoundSettings:
+        return RoundSettings(self.timeout, self.quorum_timeout, self.poll_interval, self.straggler_grace,
+                             self.min_participants, self.keep_rounds)  # fmt: skip
 
     # -- error feedback -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -376,22 +352,13 @@ class ObjectStoreAllReduce:
             raise ValueError("state must be {'residuals': {stream: tensor}} as returned by state_dict()")
         loaded: dict[str, torch.Tensor] = {}
         for key, value in state["residuals"].items():
-            numel = _parse_stream_key(key)
+            numel = parse_stream_key(key)
             if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.shape != (numel,):
                 raise ValueError(f"residual {key!r} must be a 1-D float32 tensor of {numel} elements")
             if count_nonfinite(value):
                 raise ValueError(f"residual {key!r} holds NaN/inf values; drop it (start that stream from zero)")
             loaded[key] = value.detach().to("cpu").clone()
         self._residuals = loaded
-
-    def _stage_feedback(self, spec: PayloadSpec, flat: torch.Tensor, codec: str) -> torch.Tensor:
-        """The residual this round leaves if it commits: what the codec loses of ``flat`` (the contribution plus the
-        old residual). The shard owner adds the broadcast leg's loss to it (`_reduce_shard`)."""
-        residual = flat - wire_roundtrip(flat, codec)
-        if count_nonfinite(residual):
-            raise _Abort(f"rank {self.rank}: the error-feedback residual is not finite (its values overflow fp32)")
-        self._staged = (_stream_key(spec), residual)
-        return residual
 
     def _residual_for(self, stream: str) -> torch.Tensor | None:
         """The residual the next round of ``stream`` starts from: that of the newest open (deferred) round of the
@@ -406,6 +373,7 @@ class ObjectStoreAllReduce:
         if staged is not None:
             self._residuals[staged[0]] = staged[1]
 
+    # -- vetoes and votes -------------------------------------------------------------------------
     def abort(self, reason: str, *, participate: bool = True) -> None:
         """Veto the next round (a false vote cast before its data phase) and skip it; never raises
         :class:`RoundAbortedError`.
@@ -425,26 +393,25 @@ class ObjectStoreAllReduce:
             return
         self._join()
         round_id = self.round_id
-        keys = RoundKeys(round_id)
-        quorum: QuorumRecord | None = None
+        rnd = Round(RoundKeys(round_id), self._settings(), None, True)
         try:
             if self.read_decision(round_id) is None:
-                quorum = self._await_quorum(keys, self._announce(keys, None, True, veto=reason))
+                rnd.quorum = self._await_quorum(rnd.keys, self._announce(rnd.keys, None, True, veto=reason))
             late = f"rank {self.rank}'s veto came after round {round_id} was settled without it: {reason}"
-            self._finish(keys, quorum, "abort", late, participated=False)
+            self._finish(rnd, "abort", late, participated=False)
         except RoundAbortedError as exc:
-            self._finish(keys, None, "abort", str(exc), participated=False)
-        except (_Abort, AllReduceError) as exc:
+            self._finish(dataclasses.replace(rnd, quorum=None), "abort", str(exc), participated=False)
+        except AllReduceError as exc:
             # membership settled with our veto (or local trouble): abort the round for everyone
-            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", None, decide=True)
-            self._finish(keys, None, "abort", decision.reason, participated=False)
+            decision = self._write_decision(rnd.keys, "abort", f"rank {self.rank}: {why(exc)}", None, decide=True)
+            self._finish(dataclasses.replace(rnd, quorum=None), "abort", decision.reason, participated=False)
         finally:
             self.round_id = round_id + 1
 
     @property
     def open_rounds(self) -> list[int]:
         """Rounds run with ``defer_decision=True`` whose decision waits for :meth:`vote`."""
-        return [o.keys.round_id for o in self._open]
+        return [o.round_id for o in self._open]
 
     def vote(self, ok: bool, reason: str = "") -> bool:
         """Vote on every open round (in order) and return True iff all of them committed.
@@ -462,107 +429,32 @@ class ObjectStoreAllReduce:
         committed = True
         for open_round in rounds:
             if ok and not committed:
-                why = f"an earlier round of this sync (before round {open_round.keys.round_id}) aborted"
+                reason_here = f"an earlier round of this sync (before round {open_round.round_id}) aborted"
             else:
-                why = reason
-            committed = self._settle(open_round, ok and committed, why) and committed
+                reason_here = reason
+            committed = self._settle(open_round, ok and committed, reason_here) and committed
         return committed
 
+    # -- where the run is ----------------------------------------------------------------------------
     def read_decision(self, round_id: int) -> DecisionRecord | None:
         """The decision of ``round_id`` as stored (``None`` if undecided). A decision object that is malformed or
         fails authentication reads as ``abort`` (it can never be replaced, and nobody may adopt it)."""
-        keys = RoundKeys(round_id)
-        try:
-            return self._read_record(keys.decision, lambda o, k: DecisionRecord.parse(o, k, self.world_size, round_id))
-        except CorruptObjectError as exc:
-            if round_id not in self._bad_decisions:
-                self._bad_decisions.add(round_id)
-                logger.warning("rank %d: %s; round %d counts as aborted", self.rank, exc, round_id)
-            return DecisionRecord(
-                round_id,
-                "abort",
-                f"the decision object is corrupt or forged: {exc}",
-                self.rank,
-                None,
-                world_size=self.world_size,
-            )
+        return self._peer.read_decision(round_id)
 
     def read_quorum(self, round_id: int) -> QuorumRecord | None:
         """The quorum record of ``round_id`` (``None`` if not formed); `CorruptObjectError` if it is not authentic."""
-        key = RoundKeys(round_id).quorum
-        return self._read_record(key, lambda o, k: QuorumRecord.parse(o, k, self.world_size, round_id))
+        return self._peer.read_quorum(round_id)
 
     def latest_committed_round(self) -> int | None:
         """Highest round id whose authentic decision in the store is ``commit``: among the listed rounds and those a
         lagging listing does not show yet (found by reading the decisions after the newest listed round)."""
-        listed = self._round_ids()
-        after = listed[-1] + 1 if listed else 0
-        for r in sorted({*listed, *range(after, self._decided_from(after))}, reverse=True):
-            decision = self.read_decision(r)
-            if decision is not None and decision.committed:
-                return r
-        return None
+        return run_frontier.latest_committed_round(self._peer)
 
     def frontier(self) -> int:
         """The round replicas are in now (never less than this instance's ``round_id``), from authenticated objects
-        only: the newest round holding one (a decision, the quorum or a member record sealed with the run's secret)
-        if it is undecided, else the one after it; then past every round whose authentic decision exists, which a
-        listing that lags behind does not show. Directories planted by name (``r99999999/...``) are ignored."""
+        only (`crf_diloco.rounds.frontier.frontier`); directories planted by name (``r99999999/...``) are ignored."""
         self._check_layout()
-        frontier = self.round_id
-        for r in sorted(self._round_ids(), reverse=True):
-            if r < frontier:
-                break
-            if self._holds_our_objects(r):
-                frontier = r + 1 if self.store.exists(RoundKeys(r).decision) else r
-                break
-        return self._decided_from(frontier)
-
-    def _authentic_decision(self, round_id: int) -> DecisionRecord | None:
-        """The decision of ``round_id`` if it exists and is authentic (a forged or garbage one is ``None`` here)."""
-        key = RoundKeys(round_id).decision
-        with contextlib.suppress(CorruptObjectError):
-            return self._read_record(key, lambda o, k: DecisionRecord.parse(o, k, self.world_size, round_id))
-        return None
-
-    def _decided_from(self, round_id: int) -> int:
-        """The first round from ``round_id`` on without an authentic decision (decisions outlive collection)."""
-        while self._authentic_decision(round_id) is not None:
-            round_id += 1
-        return round_id
-
-    def _holds_our_objects(self, round_id: int) -> bool:
-        """Whether the directory of ``round_id`` holds an object authenticated for this run."""
-        keys = RoundKeys(round_id)
-        if self._authentic_decision(round_id) is not None:
-            return True
-        try:
-            if self.read_quorum(round_id) is not None:
-                return True
-            for rank in ranks_named(self.store.list_names(keys.members_dir), self.world_size):
-                with contextlib.suppress(CorruptObjectError):
-                    if self._read_member(keys, rank) is not None:
-                        return True
-        except CorruptObjectError:
-            pass
-        return False
-
-    def _collect(self, round_id: int) -> None:
-        """(Background) collect a round ``keep_rounds`` behind this replica's decided one: delete its members, quorum,
-        data, reduced shards and votes, and keep its decision as a tombstone (writing ``abort`` if it has none), so
-        that a replica that stalled or reads a lagging listing finds the round decided and never re-creates it.
-        Nothing else under the prefix is touched."""
-        keys = RoundKeys(round_id)
-        names = self.store.list_names(keys.prefix)
-        if not names:
-            return
-        if "decision.json" not in names:
-            reason = f"collected by rank {self.rank} after round {round_id + self.keep_rounds} was decided"
-            record = DecisionRecord(round_id, "abort", reason, self.rank, None, world_size=self.world_size)
-            self._write_record(keys.decision, record)
-        for name in _ROUND_PARTS:
-            if name in names:
-                self.store.remove_tree(f"{keys.prefix}/{name}")
+        return run_frontier.frontier(self._peer, self.round_id)
 
     def join(self, round_id: int | None = None) -> int:
         """Set the next round to ``round_id`` (default: the :meth:`frontier`) and return it.
@@ -575,611 +467,222 @@ class ObjectStoreAllReduce:
         self.preflight()
         self._check_layout()  # also for an explicit round: a replica of another world size fails here, alone
         self.round_id = self.frontier() if round_id is None else round_id
-        self._joined = True
+        self._peer.needs_join = False
         return self.round_id
 
-    # -- store helpers --------------------------------------------------------------------------
     def _join(self) -> None:
-        if not self._joined:
+        if self._peer.needs_join:
             self.join()
 
-    def _round_ids(self) -> list[int]:
-        return sorted(r for r in (parse_round_dir(n) for n in self.store.list_names("")) if r is not None)
+    def _write_record(self, key: str, record: Any) -> bool:
+        """Create the sealed record at ``key`` (`crf_diloco.rounds.peer.Peer.write_record`); False if one existed."""
+        return self._peer.write_record(key, record)
 
     def _check_layout(self) -> None:
-        if self._layout_ok:
-            return
-        marker = {"layout": "crf-diloco", "version": LAYOUT_VERSION, "world_size": self.world_size}
-        if not self._write_record("LAYOUT", marker):
-            try:
-                found = self._read_record("LAYOUT", lambda o, k: o)
-            except CorruptObjectError as exc:
-                raise AllReduceError(
-                    f"{self.store.uri!r} belongs to another run or secret, or to an older crf-diloco ({exc}). "
-                    "Use a new run_id, or this run's CRF_DILOCO_SECRET."
-                ) from None
-            theirs = found.get("world_size") if isinstance(found, dict) else None
-            if found is not None and found != marker and {**found, "world_size": self.world_size} == marker:
-                raise AllReduceError(
-                    f"{self.store.uri!r} is a run of world_size={theirs!r}; this replica was started with "
-                    f"world_size={self.world_size}. Launch every replica of a run with the same world size (or use a "
-                    "new run_id)"
-                )
-            if found != marker:
-                raise AllReduceError(
-                    f"{self.store.uri!r} holds a crf-diloco layout {found!r}; this version writes layout "
-                    f"{LAYOUT_VERSION}. Use a new run_id or a matching crf-diloco version."
-                )
-        self._layout_ok = True
+        if not self._layout_ok:
+            run_frontier.check_layout(self._peer)
+            self._layout_ok = True
 
-    def _read_record(self, key: str, parse: Callable[[dict[str, Any], str], R]) -> R | None:
-        """The authenticated record at ``key`` parsed by ``parse``, ``None`` if absent, else `CorruptObjectError`."""
-        blob = self.store.try_get(key, limit=_MAX_RECORD)
-        if blob is None:
-            return None
-        return parse(parse_json_object(self.auth.open_record(key, blob), key), key)
-
-    def _write_record(self, key: str, record: Any) -> bool:
-        """Create the sealed record at ``key`` (``record`` has ``to_json`` or is a dict); False if it existed."""
-        obj = record if isinstance(record, dict) else record.to_json()
-        body = json.dumps(obj, separators=(",", ":")).encode()
-        return self.store.put_create(key, self.auth.seal_record(key, body))
-
-    def _sleep(self, attempt: int) -> None:
-        time.sleep(min(self.poll_interval, 0.002 * 1.5 ** min(attempt, 20)) * (0.75 + 0.5 * random.random()))
-
-    def _submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
-        """Run ``fn(*args)`` on this instance's background writer threads."""
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"crf-diloco-{self.rank}")
-            return self._pool.submit(fn, *args)
-
-    @staticmethod
-    def _check_pending(pending: Pending) -> None:
-        """Raise `_Abort` as soon as a background write of this round failed."""
-        for future in pending:
-            if future.done() and future.exception() is not None:
-                raise _Abort(f"writing this replica's object failed: {_why(future.exception())}")
-
-    @staticmethod
-    def _drain(pending: Pending) -> None:
-        """Wait for every background write of this round; raise `_Abort` for the first failure."""
-        errors = [e for e in (f.exception() for f in pending) if e is not None]
-        if errors:
-            raise _Abort(f"writing this replica's object failed: {_why(errors[0])}")
-
-    # -- decisions --------------------------------------------------------------------------------
-    def _write_decision(
-        self, keys: RoundKeys, outcome: str, reason: str, token: str | None, *, decide: bool
-    ) -> DecisionRecord:
-        """Create the round's decision (first writer wins) if this replica ``decide``s (a participant of the round,
-        or a non-observing announcer before its quorum), and return the one that stands. Observers never write one:
-        they wait for the participants' (`RoundTimeoutError` after ``timeout``)."""
-        if decide:
-            record = DecisionRecord(keys.round_id, outcome, reason, self.rank, token, world_size=self.world_size)  # type: ignore[arg-type]
-            with contextlib.suppress(AllReduceError):  # the read below decides whose decision stands
-                self._write_record(keys.decision, record)
-        return self._await_decision(keys)
-
-    def _await_decision(self, keys: RoundKeys) -> DecisionRecord:
-        """The round's decision, polled for up to ``timeout`` seconds (`RoundTimeoutError` after that)."""
-        deadline = time.monotonic() + self.timeout
-        attempt = 0
-        while True:
-            try:
-                found = self.read_decision(keys.round_id)
-            except AllReduceError:
-                found = None
-            if found is not None:
-                return found
-            if time.monotonic() > deadline:
-                raise RoundTimeoutError(
-                    f"round {keys.round_id}: no decision object could be read within {self.timeout:.1f}s"
-                )
-            self._sleep(attempt)
-            attempt += 1
-
-    def _may_decide(self, quorum: QuorumRecord | None, participate: bool) -> bool:
-        """Whether this replica may write the round's decision: its rank is a participant of the quorum (also a
-        restarted incarnation, which aborts a round its previous life cannot finish), or, before a quorum exists, it
-        announced to participate. Observers never decide."""
-        return participate and (quorum is None or self.rank in quorum.participants)
-
-    def _check_decided(self, keys: RoundKeys) -> None:
-        """Raise if the round ended under this replica: `RoundAbortedError` if it aborted, `RoundDesyncError` if it
-        committed and has been collected since (its quorum is gone: this replica stalled past ``keep_rounds``)."""
-        decision = self.read_decision(keys.round_id)
-        if decision is None:
-            return
-        if not decision.committed:
-            raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
-        if self.read_quorum(keys.round_id) is None:
-            raise self._fell_behind(keys, decision)
-
-    def _check_not_collected(self, keys: RoundKeys) -> None:
-        """Before a write into a round: raise if the round was collected under this replica (its decision is kept,
-        its quorum gone), so that nothing re-creates it. A decided round that is not collected yet may still get the
-        write (collection deletes it later)."""
-        decision = self.read_decision(keys.round_id)
-        if decision is not None and self.read_quorum(keys.round_id) is None:
-            raise self._fell_behind(keys, decision)
-
-    def _fell_behind(self, keys: RoundKeys, decision: DecisionRecord) -> RoundDesyncError | RoundAbortedError:
-        """This replica reached a round that was decided and collected: rejoin at the frontier next time."""
-        self._joined = False
-        behind = (
-            f"rank {self.rank} fell more than keep_rounds={self.keep_rounds} rounds behind the run. It joins the live "
-            "round next (MockManager heals it first)"
-        )
-        if not decision.committed:
-            return RoundAbortedError(f"round {keys.round_id} aborted and has been collected: {behind}")
-        return RoundDesyncError(f"round {keys.round_id} committed and has been collected: {behind}")
-
-    @staticmethod
-    def _stands(decision: DecisionRecord, quorum: QuorumRecord | None) -> bool:
-        """True if ``decision`` commits the round that ``quorum`` describes (a commit of another attempt does not)."""
-        return decision.committed and quorum is not None and decision.token == quorum.token
-
-    # -- one round ------------------------------------------------------------------------------
-    def _run_round(self, round_id: int, flat: torch.Tensor, spec: PayloadSpec, participate: bool) -> torch.Tensor:
-        keys = RoundKeys(round_id)
-        quorum: QuorumRecord | None = None
+    # -- one round: the phases in order -----------------------------------------------------------
+    def _run_round(self, rnd: Round, flat: torch.Tensor) -> torch.Tensor:
         try:
-            decision = self.read_decision(round_id)
+            decision = self.read_decision(rnd.round_id)
             if decision is not None:  # decided before this replica came
-                if not decision.committed:
-                    if not self.store.list_names(keys.members_dir):  # and collected: rejoin at the frontier next
-                        self._joined = False
-                    raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}")
-                quorum = self.read_quorum(round_id)
-                if quorum is None:
-                    raise self._fell_behind(keys, decision)
-                if not self._stands(decision, quorum):
-                    raise CorruptObjectError(f"{keys.decision}: commits a round attempt without a matching quorum")
-                return self._follow_commit(keys, quorum, spec, decision)
-            stale_self = self._announce(keys, spec, participate)
-            quorum = self._await_quorum(keys, stale_self)
-            return self._data_phase(keys, quorum, flat, spec)
-        except RoundAbortedError:
-            self._finish(keys, quorum, "abort", "")
-            raise
-        except (RoundDesyncError, RoundTimeoutError):
-            raise
-        except (_Abort, AllReduceError) as exc:
-            # local trouble (deadline, corrupt/forged/stale object, store errors): abort, follow the decision
-            token = quorum.token if quorum else None
-            decide = self._may_decide(quorum, participate)
-            decision = self._write_decision(keys, "abort", f"rank {self.rank}: {_why(exc)}", token, decide=decide)
-            if self._stands(decision, quorum):
-                assert quorum is not None
-                result = self._follow_commit(keys, quorum, spec, decision)
-                if self.rank in quorum.participants:  # our payload went into the committed round
-                    self._apply_staged(self._staged)
-                return result
-            self._finish(keys, quorum, "abort", decision.reason)
-            corrupt = exc if isinstance(exc, CorruptObjectError) else exc.__cause__
-            raise RoundAbortedError(f"round {round_id} aborted: {decision.reason}") from (
-                corrupt if isinstance(corrupt, CorruptObjectError) else None
-            )
+                return self._join_decided(rnd, decision)
+            stale_self = self._announce(rnd.keys, rnd.spec, rnd.participate)
+            rnd.quorum = self._await_quorum(rnd.keys, stale_self)
+            return self._data_phase(rnd, flat)
+        except AllReduceError as exc:
+            return self._conclude(rnd, exc)
 
-    def _announce(self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
-        """Create this replica's member record. Returns True if a record of another incarnation of this rank is
-        already there (a stale round, or our own previous life)."""
-        record = MemberRecord(self.rank, self.incarnation, spec, not participate, veto, world_size=self.world_size)
-        if self._write_record(keys.member(self.rank), record):
-            return False
-        existing = self._read_member(keys, self.rank)
-        return existing is None or existing.incarnation != self.incarnation
-
-    def _read_member(self, keys: RoundKeys, rank: int) -> MemberRecord | None:
-        key = keys.member(rank)
-        record = self._read_record(key, lambda o, k: MemberRecord.parse(o, k, self.world_size))
-        if record is not None and record.rank != rank:
-            raise CorruptObjectError(f"{key}: the record is rank {record.rank}'s")
-        return record
-
-    def _await_quorum(self, keys: RoundKeys, stale_self: bool) -> QuorumRecord:
-        deadline = time.monotonic() + self.quorum_timeout
-        members: dict[int, MemberRecord] = {}
-        attempt = 0
-        while True:
-            quorum = self.read_quorum(keys.round_id)
-            if quorum is not None:
-                return quorum
-            self._check_decided(keys)
-            if stale_self:
-                raise _Abort(f"round {keys.round_id} holds a member record of another incarnation of rank {self.rank}")
-            for rank in ranks_named(self.store.list_names(keys.members_dir), self.world_size):
-                if rank not in members:
-                    record = self._read_member(keys, rank)
-                    if record is not None:
-                        members[rank] = record
-            announced = {r for r, m in members.items() if not m.observer}
-            expected = self._expected if self._expected is not None else set(range(self.world_size))
-            if expected <= announced or time.monotonic() > deadline:
-                self._propose_quorum(keys, members, announced)
-                continue
-            self._sleep(attempt)
-            attempt += 1
-
-    def _propose_quorum(self, keys: RoundKeys, members: dict[int, MemberRecord], announced: set[int]) -> None:
-        vetoes = [
-            f"rank {r} vetoed round {keys.round_id}: {members[r].veto}" for r in sorted(announced) if members[r].veto
-        ]
-        if vetoes:
-            raise _Abort("; ".join(vetoes))
-        specs = {r: s for r in sorted(announced) if (s := members[r].spec) is not None}
-        counts = Counter(specs.values())
-        # the spec most announcers share; ties go to the lowest rank's (ranks are in order, max keeps the first)
-        spec = max(counts, key=counts.__getitem__) if counts else None
-        participants = [r for r, s in specs.items() if s == spec]
-        if spec is None or len(participants) < self.min_participants:
-            raise _Abort(
-                f"only {len(participants)} replica(s) with a matching payload announced before the quorum deadline "
-                f"({self.quorum_timeout:.1f}s), min_participants={self.min_participants}"
-            )
-        rejected = {
-            r: f"rank {r} announced a payload of {s.describe()}, the round's is {spec.describe()}"
-            for r, s in specs.items()
-            if s != spec
-        }
-        record = QuorumRecord(
-            keys.round_id,
-            uuid.uuid4().hex,
-            tuple(participants),
-            {r: members[r].incarnation for r in participants},
-            spec,
-            self.rank,
-            rejected,
-            world_size=self.world_size,
+    def _conclude(self, rnd: Round, exc: AllReduceError) -> torch.Tensor:
+        """What a failed round means here. The store decided ``abort``: follow it. A commit this replica cannot read
+        (`RoundDesyncError`) or a decision it cannot read (`RoundTimeoutError`): raise it. Anything else is trouble
+        of this replica (a deadline, a corrupt, forged or stale object, a store error): write ``abort`` if it may
+        decide, and follow the decision that stands (another participant may have committed the round)."""
+        if isinstance(exc, RoundAbortedError):
+            self._finish(rnd, "abort", "")
+            raise exc
+        if isinstance(exc, (RoundDesyncError, RoundTimeoutError)):
+            raise exc
+        quorum = rnd.quorum
+        may_decide = rnd.participate and (quorum is None or self.rank in quorum.participants)
+        reason = f"rank {self.rank}: {why(exc)}"
+        decision = self._write_decision(rnd.keys, "abort", reason, rnd.token, decide=may_decide)
+        if quorum is not None and vote_phase.stands(decision, quorum):
+            result = self._follow_commit(rnd, decision)
+            if self.rank in quorum.participants:  # our payload went into the committed round
+                self._apply_staged(rnd.staged)
+            return result
+        self._finish(rnd, "abort", decision.reason)
+        corrupt = exc if isinstance(exc, CorruptObjectError) else exc.__cause__
+        raise RoundAbortedError(f"round {rnd.round_id} aborted: {decision.reason}") from (
+            corrupt if isinstance(corrupt, CorruptObjectError) else None
         )
-        self._write_record(keys.quorum, record)
 
-    def _check_spec(self, keys: RoundKeys, quorum: QuorumRecord, spec: PayloadSpec) -> None:
-        if self.rank in quorum.rejected or quorum.spec != spec:
-            raise PayloadMismatchError(
-                f"round {keys.round_id} settled on a payload of {quorum.spec.describe()}, but rank {self.rank} "
-                f"passed {spec.describe()}; every replica must allreduce the same tensors (shapes, op, compression, "
-                "name) in the same order"
-            )
+    def _join_decided(self, rnd: Round, decision: DecisionRecord) -> torch.Tensor:
+        """The round was decided before this replica came: raise if it aborted or was collected, else read its
+        committed result."""
+        if not decision.committed:
+            if not self.store.list_names(rnd.keys.members_dir):  # and collected: rejoin at the frontier next
+                self._peer.needs_join = True
+            raise RoundAbortedError(f"round {rnd.round_id} aborted: {decision.reason}")
+        rnd.quorum = self.read_quorum(rnd.round_id)
+        if rnd.quorum is None:
+            raise self._peer.fell_behind(rnd.keys, decision, rnd.settings.keep_rounds)
+        if not vote_phase.stands(decision, rnd.quorum):
+            raise CorruptObjectError(f"{rnd.keys.decision}: commits a round attempt without a matching quorum")
+        return self._follow_commit(rnd, decision)
 
-    def _data_phase(self, keys: RoundKeys, quorum: QuorumRecord, flat: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
-        self._check_spec(keys, quorum, spec)
+    def _data_phase(self, rnd: Round, flat: torch.Tensor) -> torch.Tensor:
+        """Contribute (if a participant), reduce this replica's shard, gather the rest; then decide, or leave the
+        round open for :meth:`vote`."""
+        self._check_spec(rnd)
+        quorum, keys, spec = rnd.formed, rnd.keys, rnd.formed.spec
         participants, plan, token = quorum.participants, quorum.plan, quorum.token
-        start = time.monotonic()
-        deadline = start + self.timeout
+        rnd.start_data_phase()
         mine = self.rank in participants
         if mine and quorum.incarnations[self.rank] != self.incarnation:
             if not self.store.exists(keys.data(self.rank)):
-                raise _Abort(f"round {keys.round_id} lists rank {self.rank} from an incarnation that is gone")
+                raise RoundFailure(f"round {keys.round_id} lists rank {self.rank} from an incarnation that is gone")
             mine = False
-        pending: Pending = []
+        rnd.contributed = mine
         done: set[int] = set()
         try:
             if mine:
-                self._check_not_collected(keys)  # never re-create a round collected meanwhile
-                feedback = self._stage_feedback(spec, flat, plan.codec) if plan.spec.error_feedback else None
-                key = keys.data(self.rank)
-                meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
-                pending.append(
-                    self._submit(self._create_payload, key, encode_payload(key, self.auth, flat, plan, meta), token)
-                )
+                # never re-create a collected round: checked while the payload is encoded, before it is written
+                collected = self._peer.read(self._peer.check_not_collected, keys, rnd.settings.keep_rounds)
+                try:
+                    key = keys.data(self.rank)
+                    meta = {"token": token, "rank": str(self.rank), "round": str(keys.round_id)}
+                    blob = encode_payload(key, self.auth, flat, plan, meta)
+                    sent = decode_payload_blob(blob, plan, key)  # what every reader decodes from it
+                    feedback = None
+                    if plan.spec.error_feedback:
+                        feedback = residual_of(flat, sent, self.rank)
+                        rnd.staged = (stream_key(spec), feedback)
+                finally:
+                    collected.result()
+                reduce_phase.contribute(self._peer, rnd, blob)
                 shard = participants.index(self.rank)
-                self._reduce_shard(keys, quorum, shard, deadline, flat, pending, feedback)
+                self._reduce_shard(rnd, shard, sent, feedback)
                 done.add(shard)
-            result = self._gather(keys, quorum, deadline, start, done, flat if mine else None, pending)
-            self._drain(pending)
+            own = sent if mine else None
+            result = gather(self._peer, rnd, done, lambda k: self._reduce_shard(rnd, k, own))
+            rnd.drain()
         finally:
-            concurrent.futures.wait(pending)
+            concurrent.futures.wait(rnd.pending)
         if spec.vote:
-            self._open.append(_OpenRound(keys, quorum, mine, self._staged))
+            self._open.append(rnd)
             self.last_round = RoundInfo(keys.round_id, "pending", list(participants), mine)
             return result
         decision = self._write_decision(keys, "commit", "", token, decide=mine)
-        if not self._stands(decision, quorum):
+        if not vote_phase.stands(decision, quorum):
             raise RoundAbortedError(f"round {keys.round_id} aborted: {decision.reason}")
-        self._apply_staged(self._staged)
-        self._finish(keys, quorum, "commit", "")
+        self._apply_staged(rnd.staged)
+        self._finish(rnd, "commit", "")
         return result
 
-    def _create_payload(self, key: str, blob: list[memoryview], token: str) -> None:
-        """(Background) create this replica's payload; an object already there must be ours (a retried write)."""
-        if not self.store.put_create(key, blob):
-            header = read_header(self.store, key, self.auth)
-            if header.metadata.get("token") != token:
-                raise _Abort(f"{key} exists from another round attempt")
-
-    def _create_reduced(self, key: str, blob: list[memoryview], check: Callable[[], None]) -> None:
-        """(Background) create a reduced shard; if one is already there, ``check`` that it holds our values."""
-        if not self.store.put_create(key, blob):
-            check()
-
-    def _reduce_shard(
-        self,
-        keys: RoundKeys,
-        quorum: QuorumRecord,
-        shard: int,
-        deadline: float,
-        own: torch.Tensor | None,
-        pending: Pending,
-        feedback: torch.Tensor | None = None,
-    ) -> None:
-        """Sum shard ``shard`` over all participants in order into the result buffer and create its object.
-
-        ``feedback``: the shard owner's staged residual (error-feedback codecs); the broadcast leg's loss (the exact
-        reduction minus what its codec delivers, in sum units: times the participants for ``avg``) is added to it
-        over the shard's elements, so the next round's contribution of the owner carries it."""
-        plan, participants, token = quorum.plan, quorum.participants, quorum.token
-        lo, hi = plan.elem_range(shard)
-        acc = self._result(plan.numel)[lo:hi]
-        for i, r in enumerate(participants):
-            if r == self.rank and own is not None:
-                values = wire_roundtrip(own[lo:hi], plan.codec)  # exactly what others decode from our object
-            else:
-                header = self._await_payload(keys, quorum, r, deadline, pending)
-                try:
-                    values = read_payload_shard(
-                        self.store, header, self.auth, plan, shard, self._scratch, out=acc if i == 0 else None
-                    )
-                except CorruptObjectError as exc:
-                    raise _Abort(str(exc)) from exc
-            if i == 0:
-                if values.data_ptr() != acc.data_ptr():
-                    acc.copy_(values)
-            else:
-                acc.add_(values)
-        if quorum.spec.op == "avg":
-            acc /= len(participants)
-        if count_nonfinite(acc):
-            raise _Abort(self._blame(keys, quorum, shard, own))
-        key = keys.reduced(shard)
-        meta = {"token": token, "round": str(keys.round_id), "contributors": json.dumps(list(participants))}
-        blob, decoded = encode_reduced(key, self.auth, acc, plan, shard, meta)
-        overflow = nonfinite_as_dtypes(decoded, lo, quorum.spec.dtypes)
-        if overflow:
-            what = ", ".join(f"{n} in {dtype}" for dtype, n in sorted(overflow.items()))
-            raise _Abort(f"shard {shard} of round {keys.round_id}: the reduced values overflow their dtype ({what})")
-        if feedback is not None:
-            lost = acc - decoded
-            if quorum.spec.op == "avg":
-                lost *= len(participants)
-            feedback[lo:hi] += lost
-            if count_nonfinite(feedback[lo:hi]):
-                raise _Abort(f"rank {self.rank}: the error-feedback residual of shard {shard} is not finite")
-        if decoded.data_ptr() != acc.data_ptr():
-            acc.copy_(decoded)
-
-        def check() -> None:
-            theirs = torch.empty_like(acc)
-            read_reduced(self.store, key, self.auth, plan, shard, theirs, Scratch(), token=token)
-            if not torch.equal(theirs, acc):
-                raise _Abort(f"{key} already exists with other values than this replica's reduction")
-
-        pending.append(self._submit(self._create_reduced, key, blob, check))
-
-    def _blame(self, keys: RoundKeys, quorum: QuorumRecord, shard: int, own: torch.Tensor | None) -> str:
-        """Why shard ``shard`` is not finite: the ranks whose slices hold NaN/inf, or an fp32 overflow."""
-        plan = quorum.plan
-        lo, hi = plan.elem_range(shard)
-        culprits = []
-        for r in quorum.participants:
-            try:
-                if r == self.rank and own is not None:
-                    values = wire_roundtrip(own[lo:hi], plan.codec)
-                else:
-                    header = read_header(self.store, keys.data(r), self.auth)
-                    values = read_payload_shard(self.store, header, self.auth, plan, shard, self._scratch)
-            except (OSError, AllReduceError) as exc:
-                culprits.append(f"rank {r}'s slice could not be read again ({_why(exc)})")
-                continue
-            bad = count_nonfinite(values.float())
-            if bad:
-                culprits.append(f"rank {r} contributed {bad} NaN/inf value(s) to shard {shard}")
-        return "; ".join(culprits) or f"shard {shard} of round {keys.round_id} overflows fp32"
-
-    def _await_payload(
-        self, keys: RoundKeys, quorum: QuorumRecord, rank: int, deadline: float, pending: Pending
-    ) -> Header:
-        key = keys.data(rank)
-        attempt = 0
-        while True:
-            try:
-                header = read_header(self.store, key, self.auth, header_probe(len(quorum.participants)))
-            except FileNotFoundError:
-                header = None
-            except CorruptObjectError as exc:
-                raise _Abort(str(exc)) from exc
-            if header is not None:
-                if header.metadata.get("token") != quorum.token:
-                    raise _Abort(f"{key} belongs to another round attempt (stale object)")
-                try:
-                    check_payload_header(header, quorum.plan, rank=str(rank), round=str(keys.round_id))
-                except CorruptObjectError as exc:
-                    raise _Abort(str(exc)) from exc
-                return header
-            self._check_decided(keys)
-            self._check_pending(pending)
-            if time.monotonic() > deadline:
-                raise _Abort(f"{key} did not appear within {self.timeout:.1f}s")
-            self._sleep(attempt)
-            attempt += 1
-
-    def _result(self, numel: int) -> torch.Tensor:
-        """The round's result buffer (fp32, ``numel``), reused across rounds."""
-        return self._scratch.get("result", 4 * numel).view(torch.float32)
-
-    def _gather(
-        self,
-        keys: RoundKeys,
-        quorum: QuorumRecord,
-        deadline: float,
-        start: float,
-        done: set[int],
-        own: torch.Tensor | None,
-        pending: Pending,
-        cover: bool = True,
-    ) -> torch.Tensor:
-        """Read every reduced shard not in ``done`` into the result buffer (covering stragglers); return it."""
-        plan, token = quorum.plan, quorum.token
-        result = self._result(plan.numel)
-        contributors = json.dumps(list(quorum.participants))
-        done = set(done)
-        attempt = 0
-        while len(done) < plan.n_shards:
-            for k in range(plan.n_shards):
-                if k in done:
-                    continue
-                lo, hi = plan.elem_range(k)
-                try:
-                    read_reduced(self.store, keys.reduced(k), self.auth, plan, k, result[lo:hi], self._scratch,
-                                 token=token, round=str(keys.round_id), contributors=contributors)  # fmt: skip
-                except FileNotFoundError:
-                    continue
-                except CorruptObjectError as exc:
-                    raise _Abort(str(exc)) from exc
-                done.add(k)
-            if len(done) == plan.n_shards:
-                break
-            self._check_decided(keys)
-            self._check_pending(pending)
-            now = time.monotonic()
-            if now > deadline:
-                missing = sorted(set(range(plan.n_shards)) - done)
-                raise _Abort(f"reduced shards {missing} did not appear within {self.timeout:.1f}s")
-            if cover and now - start > self.straggler_grace:
-                k = min(set(range(plan.n_shards)) - done)
-                self._reduce_shard(keys, quorum, k, deadline, own, pending)
-                done.add(k)
-                continue
-            self._sleep(attempt)
-            attempt += 1
-        return result
-
-    def _follow_commit(
-        self, keys: RoundKeys, quorum: QuorumRecord, spec: PayloadSpec, decision: DecisionRecord
-    ) -> torch.Tensor:
+    def _follow_commit(self, rnd: Round, decision: DecisionRecord) -> torch.Tensor:
         """The round committed: read its result (reduced shards are immutable and verified)."""
-        self._check_spec(keys, quorum, spec)
-        now = time.monotonic()
+        self._check_spec(rnd)
+        reader = dataclasses.replace(rnd, pending=[])
+        reader.start_data_phase()
         try:
-            result = self._gather(keys, quorum, now + self.timeout, now, set(), None, [], cover=False)
-        except (_Abort, AllReduceError) as exc:
-            self._finish(keys, quorum, "commit", "")
+            result = gather(self._peer, reader, set(), None)
+        except AllReduceError as exc:
+            self._finish(rnd, "commit", "")
             raise RoundDesyncError(
-                f"round {keys.round_id} committed but this replica could not read its result: {_why(exc)}"
+                f"round {rnd.round_id} committed but this replica could not read its result: {why(exc)}"
             ) from None
-        self._finish(keys, quorum, "commit", decision.reason, participated=False)
+        self._finish(rnd, "commit", decision.reason, participated=False)
         return result
 
-    # -- the vote -------------------------------------------------------------------------------
-    def _settle(self, open_round: _OpenRound, ok: bool, reason: str) -> bool:
+    def _settle(self, rnd: Round, ok: bool, reason: str) -> bool:
         """Cast this replica's vote on an open round, then decide or follow; True iff it committed."""
-        keys, quorum = open_round.keys, open_round.quorum
+        keys, quorum, settings = rnd.keys, rnd.formed, self._settings()
         try:
-            if open_round.participated:
-                self._check_not_collected(keys)  # a vote into a collected round would re-create it
-                vote = VoteRecord(self.rank, ok, reason, quorum.token, self.incarnation, world_size=self.world_size)
-                self._write_record(keys.vote(self.rank), vote)
-            if open_round.participated:
-                decision = self._await_votes(keys, quorum, ok, reason)
+            if rnd.contributed:
+                vote_phase.cast_vote(self._peer, keys, quorum, ok, reason, settings.keep_rounds)
+                decision = vote_phase.await_votes(self._peer, keys, quorum, settings, ok, reason, self._write_decision)
             else:  # observers do not vote and never decide
-                decision = self._await_decision(keys)
-        except (_Abort, AllReduceError) as exc:
+                decision = vote_phase.await_decision(self._peer, keys, settings)
+        except AllReduceError as exc:
             try:
-                why = f"rank {self.rank}: {_why(exc)}"
-                decision = self._write_decision(keys, "abort", why, quorum.token, decide=open_round.participated)
+                why_here = f"rank {self.rank}: {why(exc)}"
+                decision = self._write_decision(keys, "abort", why_here, quorum.token, decide=rnd.contributed)
             except AllReduceError as final:
                 logger.warning("round %d: could not settle its vote: %s", keys.round_id, final)
-                self._finish(keys, quorum, "abort", str(final), participated=open_round.participated)
+                self._finish(rnd, "abort", str(final), participated=rnd.contributed)
                 return False
-        committed = self._stands(decision, quorum)
-        if committed and open_round.participated:
-            self._apply_staged(open_round.staged)
-        outcome: Literal["commit", "abort"] = "commit" if committed else "abort"
-        self._finish(keys, quorum, outcome, decision.reason, participated=open_round.participated)
+        committed = vote_phase.stands(decision, quorum)
+        if committed and rnd.contributed:
+            self._apply_staged(rnd.staged)
+        self._finish(rnd, "commit" if committed else "abort", decision.reason, participated=rnd.contributed)
         return committed
 
-    def _await_votes(self, keys: RoundKeys, quorum: QuorumRecord, ok: bool, reason: str) -> DecisionRecord:
-        """(A participant) poll the round's votes until a decision stands, writing it once the votes settle it."""
-        token, participants = quorum.token, quorum.participants
-        if not ok:
-            return self._write_decision(keys, "abort", f"rank {self.rank} voted to abort: {reason}", token, decide=True)
-        deadline = time.monotonic() + self.timeout
-        votes: dict[int, VoteRecord] = {}
-        attempt = 0
-        while True:
-            decision = self.read_decision(keys.round_id)
-            if decision is not None:
-                return decision
-            for rank in ranks_named(self.store.list_names(keys.votes_dir), self.world_size):
-                if rank in participants and rank not in votes:
-                    key = keys.vote(rank)
-                    record = self._read_record(key, lambda o, k: VoteRecord.parse(o, k, self.world_size))
-                    if record is not None:
-                        if record.rank != rank or record.token != token:
-                            raise _Abort(f"{key} belongs to another rank or round attempt (stale object)")
-                        votes[rank] = record
-            against = sorted(r for r, v in votes.items() if not v.ok)
-            if against:
-                why = "; ".join(f"rank {r} voted to abort: {votes[r].reason}" for r in against)
-                return self._write_decision(keys, "abort", why, token, decide=True)
-            if len(votes) == len(participants):
-                return self._write_decision(keys, "commit", "", token, decide=True)
-            if time.monotonic() > deadline:
-                missing = sorted(set(participants) - set(votes))
-                why = f"votes of ranks {missing} did not appear within {self.timeout:.1f}s"
-                return self._write_decision(keys, "abort", why, token, decide=True)
-            self._sleep(attempt)
-            attempt += 1
-
     def _finish(
-        self,
-        keys: RoundKeys,
-        quorum: QuorumRecord | None,
-        outcome: Literal["commit", "abort"],
-        reason: str,
-        participated: bool | None = None,
+        self, rnd: Round, outcome: Literal["commit", "abort"], reason: str, participated: bool | None = None
     ) -> None:
-        participants = list(quorum.participants) if quorum else []
+        """Record the round's outcome, start learning who the next round expects (its announcers, listed in the
+        background), and collect an old round (lowest participant only, in the background)."""
+        participants = list(rnd.participants)
         if participated is None:
             participated = self.rank in participants
-        self.last_round = RoundInfo(keys.round_id, outcome, participants, participated, reason)
+        self.last_round = RoundInfo(rnd.round_id, outcome, participants, participated, reason)
+        self._learn_expected()  # the previous round's, before this one's
+        self._announcers = (rnd.quorum, self._peer.read(self._announced, rnd.keys))
+        keep = self.keep_rounds
+        if participants and self.rank == min(participants) and rnd.round_id >= keep:
+            self._peer.submit(run_frontier.collect, self._peer, rnd.round_id - keep, keep)
+
+    def _announced(self, keys: RoundKeys) -> set[int]:
+        """The ranks that announced in a round (none when the store cannot list them)."""
         try:
-            names = self.store.list_names(keys.members_dir)
+            return set(ranks_named(self.store.list_names(keys.members_dir), self.world_size))
         except AllReduceError:
-            names = []
-        announced = set(ranks_named(names, self.world_size))
-        if quorum is not None:  # the next round expects this one's participants and announcers
-            self._expected = ((set(participants) | announced) - set(quorum.rejected)) or None
-        elif self._expected is not None:  # aborted before its quorum: who was expected still is
-            self._expected |= announced
-        if participants and self.rank == min(participants) and keys.round_id >= self.keep_rounds:
-            self._submit(self._collect, keys.round_id - self.keep_rounds)
+            return set()
 
+    def _learn_expected(self) -> set[int] | None:
+        """The replicas the next round waits for: the last round's participants and announcers (all ranks before
+        any round; after a round aborted before its quorum, who was expected and who announced)."""
+        if self._announcers is not None:
+            (quorum, listing), self._announcers = self._announcers, None
+            announced = listing.result()
+            if quorum is not None:
+                self._expected = ((set(quorum.participants) | announced) - set(quorum.rejected)) or None
+            elif self._expected is not None:
+                self._expected |= announced
+        return self._expected
 
-def _stream_key(spec: PayloadSpec) -> str:
-    """The error-feedback stream of a payload: ``codec|op|numel|name``."""
-    return f"{spec.codec}|{spec.op}|{spec.numel}|{spec.name or ''}"
+    # -- the steps tests and subclasses hook (each one call into its phase) ------------------------------
+    def _announce(self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
+        """`crf_diloco.rounds.quorum.announce`: True if another incarnation of this rank announced already."""
+        return quorum_phase.announce(self._peer, keys, spec, participate, veto)
 
+    def _await_quorum(self, keys: RoundKeys, stale_self: bool) -> QuorumRecord:
+        """`crf_diloco.rounds.quorum.await_quorum` with the replicas this round expects."""
+        return quorum_phase.await_quorum(self._peer, keys, self._settings(), self._learn_expected(), stale_self)
 
-def _parse_stream_key(key: Any) -> int:
-    """The element count of a stream key made by `_stream_key`; `ValueError` if it is not one."""
-    parts = key.split("|") if isinstance(key, str) else []
-    try:
-        ok = len(parts) == 4 and parse_codec(parts[0]).name == parts[0] and parse_codec(parts[0]).error_feedback
-        ok = ok and parts[1] in ("avg", "sum") and parts[2].isdigit() and int(parts[2]) >= 1
-        if ok and parts[3]:
-            validate_name(parts[3], "name")
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{key!r} is not an error-feedback stream 'codec|op|numel|name' of an int4/topk codec")
-    return int(parts[2])
+    def _check_spec(self, rnd: Round) -> None:
+        """`PayloadMismatchError` (this replica alone) when the round settled on another payload than its own."""
+        quorum, spec = rnd.formed, rnd.spec
+        if self.rank in quorum.rejected or quorum.spec != spec:
+            raise PayloadMismatchError(
+                f"round {rnd.round_id} settled on a payload of {quorum.spec.describe()}, but rank {self.rank} "
+                f"passed {spec.describe() if spec else 'a veto'}; every replica must allreduce the same tensors "
+                "(shapes, op, compression, name) in the same order"
+            )
 
+    def _reduce_shard(
+        self, rnd: Round, shard: int, own: torch.Tensor | None, feedback: torch.Tensor | None = None
+    ) -> None:
+        """`crf_diloco.rounds.reduce.reduce_shard`: sum shard ``shard`` and create its object (``own``: what the
+        others decode from this replica's payload, if it contributed)."""
+        reduce_phase.reduce_shard(self._peer, rnd, shard, own, feedback)
 
-def _why(exc: BaseException | None) -> str:
-    """The reason carried by an exception (its first argument), for abort records."""
-    if exc is None:
-        return ""
-    return str(exc.args[0]) if exc.args else repr(exc)
+    def _write_decision(
+        self, keys: RoundKeys, outcome: Literal["commit", "abort"], reason: str, token: str | None, *, decide: bool
+    ) -> DecisionRecord:
+        """`crf_diloco.rounds.vote.decide`: write the decision if this replica may, return the one that stands."""
+        return vote_phase.decide(self._peer, keys, outcome, reason, token, may_write=decide, settings=self._settings())

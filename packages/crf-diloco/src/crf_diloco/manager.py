@@ -13,8 +13,9 @@ any member not listed here, so a torchft upgrade that needs more fails loudly.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-import time
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -24,10 +25,9 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from crf_diloco.allreduce import ObjectStoreAllReduce
-from crf_diloco.checkpoint import dumps_state, loads_state
-from crf_diloco.errors import AllReduceError, CorruptObjectError, HealError, PayloadMismatchError
-from crf_diloco.layout import parse_state_key, state_key
-from crf_diloco.wire import read_header
+from crf_diloco.errors import AllReduceError, PayloadMismatchError
+from crf_diloco.healing import MANAGER_KEY, plan_heal
+from crf_diloco.wire import Blob
 
 __all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork"]
 
@@ -45,11 +45,10 @@ DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
     "should_commit",
     "start_quorum",
 )
-_KEEP_STATES = 3
 
 
 class _FlushingFuture(torch.futures.Future[Any]):
-    """A future that runs the pending object-store round when waited on."""
+    """A future that starts the queued object-store rounds and waits for them when waited on."""
 
     def __init__(self, flush: Callable[[], None]) -> None:
         super().__init__()
@@ -67,13 +66,14 @@ class _FlushingFuture(torch.futures.Future[Any]):
 class ObjectStoreWork(dist._Work):
     """Work handle returned by :meth:`MockManager.allreduce`, shaped like torchft's ``_ManagedWork``.
 
-    The tensor is reduced in place. Rounds are lazy: every tensor handed to ``allreduce`` since the
-    last flush travels in one object-store round, run by the first ``wait()`` (or
-    ``get_future().wait()``, or ``should_commit()``). ``wait()`` returns True once the data phase
-    succeeded (the tensor then holds the reduced values; whether the sync commits is decided by
-    the store-wide ``should_commit()`` vote, as in torchft), and False instead of raising: the
-    error goes to the manager, so ``should_commit()`` votes False. ``get_future()`` completes with
-    the tensor (unchanged on failure) and supports ``.then``.
+    The tensor is reduced in place. Every tensor handed to ``allreduce`` before the manager's next other call
+    travels in one object-store round (per ``(op, compression)``), which runs in the background from that call on
+    (``MockManager(overlap=True)``, the default: training goes on while it syncs) or inside the first ``wait()``
+    (``overlap=False``). ``wait()`` blocks until the round ran and returns True once its data phase succeeded (the
+    tensor then holds the reduced values; whether the sync commits is decided by the store-wide
+    ``should_commit()`` vote, as in torchft), and False instead of raising: the error goes to the manager, so
+    ``should_commit()`` votes False. ``get_future()`` completes with the tensor (unchanged on failure) when the
+    round ends and supports ``.then`` (callbacks run on the thread that ran the round).
     """
 
     def __init__(self, manager: MockManager, tensor: torch.Tensor) -> None:
@@ -134,10 +134,14 @@ class MockManager:
 
     Semantics:
 
-    * ``allreduce`` queues the tensor; all tensors queued before the next ``wait()`` /
-      ``should_commit()`` go in one round (one round per distinct ``(reduce_op, quantize)`` pair,
-      in call order). ``should_quantize=True`` uses int8 row-wise compression unless the
-      allreduce already compresses.
+    * ``allreduce`` queues the tensor and returns at once; the tensors queued before the manager's next
+      other call (DiLoCo's next inner step calls ``disallow_state_dict_read()``; ``wait()``,
+      ``should_commit()``, ``start_quorum()``, ``current_step()`` too) go in one round (one round per
+      distinct ``(reduce_op, quantize)`` pair, in call order), which that call starts on a background
+      thread (``overlap=True``): Streaming DiLoCo's inner steps run while a fragment syncs
+      (``fragment_sync_delay``), and ``wait()`` / ``should_commit()`` block only for what is left.
+      Every replica makes the same calls, so the rounds are the same everywhere. ``should_quantize=True``
+      uses int8 row-wise compression unless the allreduce already compresses.
     * ``should_commit()`` is a store-wide vote, like torchft's collective ``should_commit``: the
       sync's rounds run with ``defer_decision=True``, and each participant votes True only if all
       its rounds succeeded, it reported no error (even one reported after the allreduce finished)
@@ -146,10 +150,11 @@ class MockManager:
       replica that errored before its round ran vetoes that round instead
       (``ObjectStoreAllReduce.abort``). Observers (healing replicas) do not vote. On True the step
       advances.
-    * Healing: the lowest participant of a committed round writes the global state (every
-      ``register_state_dict_fn`` state plus ``{"step", "batches_committed"}``) to
-      ``state/r{round}.safetensors`` right after the outer step; the others write it at their
-      next ``start_quorum()`` if it is missing. At ``start_quorum()`` a replica that is behind the
+    * Healing: one participant of a committed round (``participants[round % len(participants)]``, so the
+      uploads rotate) writes the global state (every ``register_state_dict_fn`` state plus
+      ``{"step", "batches_committed"}``) to ``state/r{round}.safetensors``: copied at its next call after the
+      outer step, uploaded on the background thread; the others check during their next sync (after its
+      rounds) that it exists, and write it if it is missing. At ``start_quorum()`` a replica that is behind the
       store's last committed round (restarted, late, or one that could not read a committed
       result) loads that state and observes (does not contribute to) its next round.
 
@@ -160,6 +165,8 @@ class MockManager:
         heal_timeout: seconds to wait for the state of the last committed round (default: the
             allreduce's ``timeout``).
         use_async_quorum: must be False (DiLoCo requires a synchronous quorum).
+        overlap: run each sync's rounds on a background thread from the manager's first call after the
+            ``allreduce`` calls (default True); False runs them inside the first ``wait()``.
     """
 
     def __init__(
@@ -170,6 +177,7 @@ class MockManager:
         checkpoint: bool = True,
         heal_timeout: float | None = None,
         use_async_quorum: bool = False,
+        overlap: bool = True,
     ) -> None:
         if not isinstance(allreduce, ObjectStoreAllReduce):
             raise TypeError(f"allreduce must be an ObjectStoreAllReduce, got {type(allreduce).__name__}")
@@ -181,7 +189,15 @@ class MockManager:
             )
         if heal_timeout is not None and not heal_timeout > 0:
             raise ValueError(f"heal_timeout must be > 0 seconds or None, got {heal_timeout!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool (True: sync in the background), got {type(overlap).__name__}")
         self._use_async_quorum = False
+        self._overlap = overlap
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._job: concurrent.futures.Future[None] | None = None  # the last sync's rounds
+        self._tail: concurrent.futures.Future[None] | None = None  # the last task of the background thread
+        self._ensured: int | None = None  # the last committed round whose checkpoint was checked
+        self._presence: tuple[int, concurrent.futures.Future[bool] | None] | None = None  # that check, when pending
         self._allreduce = allreduce
         self._min_replica_size = min_replica_size
         self._checkpoint = checkpoint and allreduce.world_size > 1  # a lone replica never needs healing
@@ -199,6 +215,7 @@ class MockManager:
         self._observe_next = False
         self._stale = False
         self._participants: list[int] = []
+        self._snapshots = allreduce.snapshots()
 
     # -- identity / quorum -------------------------------------------------------------------
     @property
@@ -226,7 +243,9 @@ class MockManager:
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
     ) -> None:
-        """Begin a sync: write a due checkpoint, clear errors, heal from the store if behind."""
+        """Begin a sync: finish the last one's rounds, write a due checkpoint, clear errors, heal from the store if
+        behind."""
+        self._finish_rounds()
         self._write_checkpoint_if_due()
         self._ensure_checkpoint()
         if self._allreduce.open_rounds:  # a sync that never reached should_commit(): vote it down
@@ -245,15 +264,17 @@ class MockManager:
     ) -> None:
         if not isinstance(key, str) or not key:
             raise ValueError(f"state dict key must be a non-empty str, got {key!r}")
-        if key in self._load_fns or key == "torchft":
+        if key in self._load_fns or key == MANAGER_KEY:
             raise ValueError(f"state dict key {key!r} is already registered")
         self._load_fns[key] = load_state_dict
         self._save_fns[key] = state_dict
 
     def allow_state_dict_read(self) -> None:
+        self._start_rounds()
         self._state_dict_read_allowed = True
 
     def disallow_state_dict_read(self) -> None:
+        self._start_rounds()
         self._write_checkpoint_if_due()
         self._state_dict_read_allowed = False
 
@@ -268,6 +289,7 @@ class MockManager:
         self._batches_committed = int(state_dict["batches_committed"])
 
     def current_step(self) -> int:
+        self._start_rounds()
         return self._step
 
     def batches_committed(self) -> int:
@@ -316,22 +338,62 @@ class MockManager:
         self._pending.append((tensor, work, op, compression))
         return work
 
+    @property
+    def syncing(self) -> bool:
+        """True while a sync's rounds are queued (``allreduce`` called, not yet started) or running."""
+        return bool(self._pending) or (self._job is not None and not self._job.done())
+
     def _flush_safely(self) -> None:
         try:
-            self._flush()
+            self._finish_rounds()
         except Exception as e:  # never raise out of wait()
             self.report_error(e)
 
-    def _flush(self) -> None:
-        """Run the queued tensors as object-store rounds (one per (op, compression) group, in order)."""
+    def _start_rounds(self) -> None:
+        """Start the rounds of the tensors queued since the last start: on the background thread (``overlap``), or
+        now, on this one."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        if not self._overlap:
+            self._run_rounds(pending)
+            return
+        self._job = self._tail = self._background().submit(self._run_rounds, pending)
+        if self._presence is not None and self._presence[1] is None:  # after the rounds: the writer had its time
+            r = self._presence[0]
+            self._presence = (r, self._background().submit(self._snapshots.exists, r))
+
+    def _background(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one background thread: rounds and checkpoint uploads run on it in the order they were handed over."""
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"crf-diloco-sync-{self.rank}")
+        return self._worker
+
+    def _finish_rounds(self) -> None:
+        """Start what is queued and wait until every round started has run (a callback of a round, which runs on
+        the background thread, does not wait for itself)."""
+        self._start_rounds()
+        job = self._job
+        if job is None or threading.current_thread().name.startswith(f"crf-diloco-sync-{self.rank}"):
+            return
+        job.result()  # _run_rounds never raises
+        if self._job is job:
+            self._job = None
+
+    def _run_rounds(self, pending: list[tuple[torch.Tensor, ObjectStoreWork, str, str | None]]) -> None:
+        """Run queued tensors as object-store rounds (one per (op, compression) group, in order). Never raises: an
+        error goes to ``report_error``; after one that is not a round's failure (e.g. `PayloadMismatchError`) the
+        remaining groups do not run, and every work completes (False unless its round ran)."""
         groups: dict[tuple[str, str | None], list[tuple[torch.Tensor, ObjectStoreWork]]] = {}
         for tensor, work, op, compression in pending:
             groups.setdefault((op, compression), []).append((tensor, work))
+        stopped = False
         for (op, compression), items in groups.items():
             ok = False
+            if stopped:
+                for _, work in items:
+                    work._complete(False)
+                continue
             try:
                 if self._errored is not None:
                     self._veto()
@@ -346,6 +408,9 @@ class MockManager:
                     ok = True
             except AllReduceError as e:
                 self.report_error(e)
+            except Exception as e:
+                self.report_error(e)
+                stopped = True
             finally:
                 info = self._allreduce.last_round
                 if info is not None and info.participants:
@@ -373,14 +438,14 @@ class MockManager:
         allreduce) and at least ``min_replica_size`` replicas took part; the sync commits iff every
         participant voted True, and every participant gets the same answer.
         """
-        if self._errored is not None and not self._pending and not self._rounds_ok:
+        self._finish_rounds()
+        if self._errored is not None and not self._rounds_ok:
             # an error before any allreduce: veto the round the others are in
             try:
                 self._veto()
             except AllReduceError as e:
                 logger.warning("rank %d could not veto its round: %s", self.rank, e)
             self._rounds_ok.append(False)
-        self._flush()
         if isinstance(self._errored, PayloadMismatchError):
             raise self._errored  # this replica's configuration differs from its peers': fail loudly
         enough = self.num_participants() >= self._min_replica_size
@@ -400,156 +465,115 @@ class MockManager:
             self._observe_next = False
             if info is not None:
                 self._last_committed_round = info.round_id
-                if self._checkpoint and info.participants and self.rank == min(info.participants):
+                writer = info.participants[info.round_id % len(info.participants)] if info.participants else None
+                if self._checkpoint and self.rank == writer:  # the writer rotates: no one link carries them all
                     self._checkpoint_due = info.round_id
         return ok
 
     def shutdown(self, wait: bool = True) -> None:
-        """Write a due checkpoint; the allreduce itself is left to its owner."""
+        """Finish the rounds started, write a due checkpoint and stop the background thread; the allreduce itself is
+        left to its owner."""
+        self._flush_safely()
         self._write_checkpoint_if_due()
+        self._wait_background()
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=wait)
 
-    # -- checkpoints & healing -----------------------------------------------------------------
+    # -- checkpoints & healing (crf_diloco.healing) ---------------------------------------------------------
     def _state(self, round_id: int) -> dict[str, Any]:
         state: dict[str, Any] = {key: fn() for key, fn in self._save_fns.items()}
-        state["torchft"] = {**self.state_dict(), "round": round_id}
+        state[MANAGER_KEY] = {**self.state_dict(), "round": round_id}
         return state
 
     def _write_state(self, round_id: int) -> None:
-        if not self._save_fns:
-            return
-        store, key = self._allreduce.store, state_key(round_id)
-        store.put_create(key, dumps_state(self._state(round_id), key, self._allreduce.auth))
-        self._collect_states(round_id)
-
-    def _collect_states(self, round_id: int) -> None:
-        """Keep the `_KEEP_STATES` newest authentic states up to ``round_id`` (the one just written) and delete the
-        authentic ones before them. Only states whose header authenticates are counted or deleted, none after
-        ``round_id``: junk named like a state (``state/r99999999.safetensors``) is neither kept in place of a real
-        checkpoint nor deleted."""
-        store, auth = self._allreduce.store, self._allreduce.auth
-        rounds = sorted((r for r in map(parse_state_key, store.list_names("state")) if r is not None and r <= round_id),
-                        reverse=True)  # fmt: skip
-        kept = 0
-        for r in rounds:
-            try:
-                header = read_header(store, state_key(r), auth)
-            except (FileNotFoundError, CorruptObjectError):
-                continue
-            if header.metadata.get("kind") != "state":
-                continue
-            kept += 1
-            if kept > _KEEP_STATES:
-                store.remove_tree(state_key(r))
+        if self._save_fns:
+            self._snapshots.write(round_id, self._state(round_id))
 
     def _write_checkpoint_if_due(self) -> None:
-        if self._checkpoint_due is None:
+        """Write the state of the round this replica committed last and must checkpoint: copied now (it is the state
+        right after the outer step), uploaded on the background thread (``overlap``) or now."""
+        self._check_presence()
+        if self._checkpoint_due is None or not self._save_fns:
+            self._checkpoint_due = None
             return
         round_id, self._checkpoint_due = self._checkpoint_due, None
         try:
-            self._write_state(round_id)
+            sealed = self._snapshots.seal(round_id, self._state(round_id))
+        except AllReduceError as e:
+            logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
+            return
+        if not self._overlap:
+            self._put_checkpoint(round_id, sealed)
+            return
+        self._tail = self._background().submit(self._put_checkpoint, round_id, sealed)
+
+    def _put_checkpoint(self, round_id: int, sealed: Blob) -> None:
+        try:
+            self._snapshots.put(round_id, sealed)
         except AllReduceError as e:
             logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
 
+    def _wait_background(self) -> None:
+        """Wait for everything handed to the background thread (rounds and checkpoint uploads)."""
+        tail = self._tail
+        if tail is not None and not threading.current_thread().name.startswith(f"crf-diloco-sync-{self.rank}"):
+            tail.result()
+
     def _ensure_checkpoint(self) -> None:
-        """Write the last committed state if its writer (the lowest participant) did not (never from a replica
-        that is behind: its state is not the committed one)."""
+        """Write the last committed state if its writer did not (never from a replica that is behind: its state is
+        not the committed one). With ``overlap`` the check runs on the background thread after this sync's rounds
+        (by then the writer's own upload is done), and a missing state is copied at the manager's next call, if
+        this replica still holds that round's state."""
         r = self._last_committed_round
-        if not self._checkpoint or r is None or not self._save_fns or self._stale:
+        if not self._checkpoint or r is None or not self._save_fns or self._stale or r == self._ensured:
+            return
+        self._ensured = r
+        if self._overlap:
+            self._presence = (r, None)  # submitted behind this sync's rounds (`_start_rounds`)
             return
         try:
-            if not self._allreduce.store.exists(state_key(r)):
+            if not self._snapshots.exists(r):
                 self._write_state(r)
         except AllReduceError as e:
             logger.warning("could not write the checkpoint of round %d: %s", r, e)
 
-    def _read_state(self, round_id: int) -> dict[str, Any] | None:
-        """The authentic state written after ``round_id`` committed (``None`` if absent); `CorruptObjectError` if
-        the object is not authentic or malformed."""
-        key = state_key(round_id)
-        blob = self._allreduce.store.try_get(key)
-        if blob is None:
-            return None
-        state = loads_state(blob, key, self._allreduce.auth)
-        meta = state.get("torchft")
-        fields = ("round", "step", "batches_committed")
-        if not isinstance(meta, dict) or not all(type(meta.get(f)) is int for f in fields) or meta["round"] != round_id:
-            raise CorruptObjectError(
-                f"{key}: its torchft record is not round {round_id}'s {{round, step, batches_committed}}"
-            )
-        missing = sorted(set(self._load_fns) - set(state))
-        if missing:
-            raise HealError(
-                f"{key} has no state for {missing} (has {sorted(state)}): the replicas register different state"
-            )
-        return state
+    def _check_presence(self) -> None:
+        """Act on a finished background check of the last committed state: missing, and still this replica's
+        state, it becomes due (copied and uploaded by `_write_checkpoint_if_due`)."""
+        r, check = self._presence if self._presence is not None else (None, None)
+        if r is None or check is None or not check.done():
+            return
+        self._presence = None
+        try:
+            present = bool(check.result())
+        except AllReduceError as e:
+            logger.warning("could not check the checkpoint of round %d: %s", r, e)
+            return
+        if not present and r == self._last_committed_round and not self._stale and self._checkpoint_due is None:
+            self._checkpoint_due = r
 
     def _maybe_heal(self) -> None:
-        """Load the last committed state if this replica is behind the store, then observe one round.
-
-        Only authentic state is loaded. If the latest committed round's state is corrupt or forged (it can never be
-        replaced: objects are create-only), or does not appear within ``heal_timeout``, the replica falls back to
-        the newest authentic earlier state, stays an observer and heals again once a newer committed state exists.
-        """
+        """Load the last committed state if this replica is behind the store, then observe one round
+        (`crf_diloco.healing.plan_heal` says what to load)."""
         if self._allreduce.world_size == 1:
             return
-        deadline = time.monotonic() + self._heal_timeout
-        while True:
-            # frontier first: every round between the latest commit read afterwards and it aborted
-            frontier = self._allreduce.frontier()
-            latest = self._allreduce.latest_committed_round()
-            if latest is None or (latest == self._last_committed_round and not self._stale):
-                return
-            if not self._load_fns:
-                raise HealError(
-                    f"rank {self.rank} is behind the store (last committed round {latest}) but no state is "
-                    "registered to load; use MockManager with torchft DiLoCo (it registers its state)"
-                )
-            try:
-                state = self._read_state(latest)
-            except CorruptObjectError as e:
-                logger.warning("rank %d cannot heal from round %d: %s", self.rank, latest, e)
-                break
-            if state is not None:
-                self._load(latest, state, frontier, stale=False)
-                return
-            if time.monotonic() > deadline:  # its writer may have died: others write it at start_quorum
-                logger.warning(
-                    "rank %d: the state of committed round %d (%s) did not appear within %.1fs",
-                    self.rank, latest, state_key(latest), self._heal_timeout,
-                )  # fmt: skip
-                break
-            time.sleep(self._allreduce.poll_interval)
-        self._fall_back(latest, frontier)
-
-    def _fall_back(self, latest: int, frontier: int) -> None:
-        """Load the newest authentic state older than ``latest`` (and newer than this replica's own), stay behind."""
-        own = self._last_committed_round if self._last_committed_round is not None else -1
-        names = self._allreduce.store.list_names("state")
-        for r in sorted((r for r in map(parse_state_key, names) if r is not None and own < r < latest), reverse=True):
-            try:
-                state = self._read_state(r)
-            except CorruptObjectError as e:
-                logger.warning("rank %d skips a checkpoint: %s", self.rank, e)
-                continue
-            if state is not None:
-                self._load(r, state, frontier, stale=True)
-                return
-        if self._last_committed_round is None and not self._stale:
-            raise HealError(
-                f"rank {self.rank} is behind the store (last committed round {latest}) and found no authentic "
-                "committed state to load; check that every replica runs with the run's CRF_DILOCO_SECRET"
-            )
-        self._stale = True  # keep this replica's own (older) state; heal once a newer committed state exists
-        self._allreduce.join(frontier)
+        heal = plan_heal(
+            self._allreduce,
+            last_committed=self._last_committed_round,
+            stale=self._stale,
+            registered=set(self._load_fns),
+            timeout=self._heal_timeout,
+        )
+        if heal is None:
+            return
+        if heal.state is not None and heal.round_id is not None:
+            for key, load_fn in self._load_fns.items():
+                load_fn(heal.state[key])
+            self.load_state_dict(heal.state[MANAGER_KEY])
+            self._last_committed_round = heal.round_id
+            how = "falling back to an earlier committed state" if heal.stale else "in step with the store"
+            logger.info("rank %d healed from round %d (step %d), %s", self.rank, heal.round_id, self._step, how)
+        self._stale = heal.stale  # stale: heal again once a newer committed state exists
+        self._allreduce.join(heal.frontier)
         self._observe_next = True
-
-    def _load(self, round_id: int, state: dict[str, Any], frontier: int, *, stale: bool) -> None:
-        for key, load_fn in self._load_fns.items():
-            load_fn(state[key])
-        self.load_state_dict(state["torchft"])
-        self._last_committed_round = round_id
-        self._stale = stale
-        self._allreduce.join(frontier)
-        self._observe_next = True
-        how = "falling back to an earlier committed state" if stale else "in step with the store"
-        logger.info("rank %d healed from round %d (step %d), %s", self.rank, round_id, self._step, how)

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import astuple, dataclass
 from typing import Any, TypeVar
 
 import fsspec
@@ -35,7 +36,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from crf_diloco.errors import AllReduceError, CorruptObjectError, StoreBackendMissingError
 
-__all__ = ["ADAPTER_PACKAGES", "ObjectStore", "validate_uri"]
+__all__ = ["ADAPTER_PACKAGES", "ObjectStore", "Traffic", "validate_uri"]
 
 T = TypeVar("T")
 
@@ -136,6 +137,26 @@ def _is_precondition_failed(exc: OSError) -> bool:
     return exc.errno == errno.EINVAL and "precondition" in str(exc).lower()
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """What a store carried: payload bytes, requests, and how many of them were sequential.
+
+    ``round_trips`` counts request *waves*: a request that starts while none of this store's requests is in flight
+    opens one, and requests that overlap it (concurrent reads, a background write) belong to it; over a network
+    each wave costs at least one round trip, so this is the number of sequential round trips. ``idle_round_trips``
+    are the waves in which every request found nothing (polls for an object that is not there yet). Subtract two
+    snapshots for what happened in between."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    requests: int = 0
+    round_trips: int = 0
+    idle_round_trips: int = 0
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
 class ObjectStore:
     """Keys under one prefix of an fsspec filesystem.
 
@@ -173,6 +194,11 @@ class ObjectStore:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
+        self._requests = 0
+        self._in_flight = 0
+        self._waves = 0
+        self._idle_waves = 0
+        self._wave_found = False
         if self.protocol in ("file", "local"):
             self._resolve()
             os.makedirs(self._root, exist_ok=True)
@@ -188,12 +214,19 @@ class ObjectStore:
                 if "protocol" in str(exc).lower():
                     raise _missing_adapter_error(self.uri, self.protocol, exc) from exc
                 raise
+            _skip_continue(fs)
             self._fs, self._root = fs, str(root).rstrip("/")
         return self._fs
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         return self._resolve()
+
+    @property
+    def remote(self) -> bool:
+        """True unless the store is a local folder or ``memory://``: requests cost a network round trip, so fewer,
+        larger and concurrent ones pay."""
+        return not isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
 
     @property
     def is_local(self) -> bool:
@@ -217,8 +250,44 @@ class ObjectStore:
             )
         return path
 
+    # -- accounting ---------------------------------------------------------------------------
+    def traffic(self) -> Traffic:
+        """Bytes, requests and sequential round trips so far (`Traffic`)."""
+        with self._lock:
+            return Traffic(self.bytes_read, self.bytes_written, self._requests, self._waves, self._idle_waves)
+
+    def _begin(self) -> None:
+        with self._lock:
+            self._requests += 1
+            if self._in_flight == 0:
+                self._waves += 1
+                self._wave_found = False
+            self._in_flight += 1
+
+    def _end(self, found: bool) -> None:
+        with self._lock:
+            self._wave_found = self._wave_found or found
+            self._in_flight -= 1
+            if self._in_flight == 0 and not self._wave_found:
+                self._idle_waves += 1
+
     # -- retries ------------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T]) -> T:
+        self._begin()
+        found = False
+        try:
+            result = self._attempts(what, fn)
+            found = True
+            return result
+        except FileNotFoundError:
+            raise
+        except BaseException:
+            found = True  # an answer, if not the one hoped for
+            raise
+        finally:
+            self._end(found)
+
+    def _attempts(self, what: str, fn: Callable[[], T]) -> T:
         delay = self.retry_backoff
         for attempt in range(self.retries + 1):
             try:
@@ -389,6 +458,25 @@ class ObjectStore:
         finally:
             if self._fs is not None:
                 self.remove_tree(key)
+
+
+def _skip_continue(fs: fsspec.AbstractFileSystem) -> None:
+    """S3 (s3fs/botocore): send each PUT's body with its headers instead of asking the server to confirm first.
+
+    botocore adds ``Expect: 100-continue`` to every S3 request with a body, so each write waits one round trip for
+    ``100 Continue`` before sending: over a WAN that is a round trip per object written (member, quorum, payload,
+    reduced shard, vote, decision). The objects here are written once and are small or expected to succeed, so the
+    header is dropped for this filesystem's client (other clients are untouched). A client without the hook (no
+    botocore, or another store) is left as it is."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if "s3" not in protocols:
+        return
+    try:
+        from botocore.handlers import add_expect_header
+
+        fs.s3.meta.events.unregister("before-call.s3", add_expect_header)
+    except Exception:
+        return
 
 
 def _local_create(root: str, key: str, path: str, parts: list[memoryview]) -> None:

@@ -39,8 +39,9 @@ import functools
 import json
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -65,16 +66,20 @@ __all__ = [
     "Blob",
     "Codec",
     "Header",
+    "Prefetch",
     "Scratch",
     "ShardPlan",
     "check_payload_header",
     "decode_object",
+    "decode_payload_blob",
     "encode_object",
     "encode_payload",
     "encode_reduced",
     "feedback_roundtrip",
     "header_probe",
     "parse_codec",
+    "payload_data_start",
+    "prefetch_payload_shard",
     "read_header",
     "read_payload_shard",
     "read_reduced",
@@ -296,9 +301,12 @@ def _encode_units(x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
     mag.nan_to_num_(nan=float("inf"))
     # exactly k per row, deterministic: all magnitudes above the k-th largest, then the lowest offsets equal to it
     kth = torch.topk(mag, spec.k, dim=1).values[:, -1:]
-    above = mag > kth
-    tied = mag == kth
-    keep = above | (tied & (tied.cumsum(dim=1) <= spec.k - above.sum(dim=1, keepdim=True)))
+    keep = mag >= kth
+    crowded = (keep.sum(dim=1) > spec.k).nonzero()[:, 0]  # rows where values tie at the k-th: pick the lowest offsets
+    if crowded.numel():
+        m, t = mag[crowded], kth[crowded]
+        above, tied = m > t, m == t
+        keep[crowded] = above | (tied & (tied.cumsum(dim=1) <= spec.k - above.sum(dim=1, keepdim=True)))
     idx = keep.nonzero()[:, 1].view(-1, spec.k)  # row-major: ascending offsets in each row
     q, scale = _absmax_quantise(torch.gather(blocks, 1, idx), _INT8_MAX)
     return {"i": idx.to(torch.int16), "q": q.to(torch.int8), "s": scale}
@@ -407,11 +415,14 @@ def encode_object(
     tensors: dict[str, torch.Tensor],
     meta: dict[str, str],
     items: Sequence[tuple[int, int]] | None = None,
+    data_start: int | None = None,
 ) -> Blob:
     """Seal ``tensors`` (CPU, any safetensors dtype) as the object at ``key``.
 
     ``items``: unit ranges ``[a, b)`` (rows of each tensor) that get their own content tag, in order; ``None`` for
-    one tag over everything. The data are not copied: the returned buffers point into ``tensors``.
+    one tag over everything. ``data_start``: pad the header with spaces so that the tensor data start at this byte
+    (a multiple of 8; ignored if the header needs more), so a reader can fetch data beside the header in one round
+    trip. The data are not copied: the returned buffers point into ``tensors``.
     """
     names = sorted(tensors)
     buffers = [_bytes_of(tensors[n]) for n in names]
@@ -438,6 +449,8 @@ def encode_object(
         offset += buf.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads its header with spaces to 8-byte alignment
+    if data_start is not None and 8 + len(raw) < data_start and data_start % 8 == 0:
+        raw += b" " * (data_start - 8 - len(raw))
     assert raw.startswith(_MAC_PREFIX)
     mac = auth.mac_hex("object", key, raw).encode()
     raw = _MAC_PREFIX + mac + raw[len(_MAC_PREFIX) + MAC_HEX :]
@@ -569,6 +582,37 @@ def _read_range(store: ObjectStore, header: Header, start: int, dest: torch.Tens
     return view
 
 
+#: runs reads at once and returns their results in order (e.g. `crf_diloco.rounds.peer.Peer.concurrently`)
+RunAll = Callable[[Sequence[Callable[[], Any]]], list[Any]]
+
+
+def _run(calls: Sequence[Callable[[], Any]], run: RunAll | None) -> list[Any]:
+    return run(calls) if run is not None and len(calls) > 1 else [call() for call in calls]
+
+
+def _row_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    row = torch.empty((), dtype=dtype).element_size()
+    for s in shape[1:]:
+        row *= s
+    return row
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Bytes of one payload shard read where this version's writer puts them, before the header was known: the
+    absolute start of each tensor's rows and the tensors they were read into. Adopted only if the header, once
+    read and authenticated, puts every tensor there, and only after the shard's content tag verifies."""
+
+    starts: dict[str, int]
+    parts: dict[str, torch.Tensor]
+    views: dict[str, memoryview]
+
+
+def _dest(name: str, nbytes: int, scratch: Scratch, into: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    dest = into[name].view(torch.uint8).reshape(-1) if into is not None and name in into else None
+    return dest if dest is not None else scratch.get(name, nbytes)
+
+
 def _read_item(
     store: ObjectStore,
     header: Header,
@@ -577,22 +621,28 @@ def _read_item(
     item: tuple[int, int],
     scratch: Scratch,
     into: dict[str, torch.Tensor] | None = None,
+    *,
+    prefetched: Prefetch | None = None,
+    run: RunAll | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read units ``[a, b)`` of every tensor (into ``into[name]``'s bytes if given, else scratch) and verify that
-    they are item ``index`` of ``count`` (``item = (index, count)``) under the object's content tags."""
+    """Read units ``[a, b)`` of every tensor (into ``into[name]``'s bytes if given, else scratch; the tensors' ranges
+    at once with ``run``) and verify that they are item ``index`` of ``count`` (``item = (index, count)``) under the
+    object's content tags. ``prefetched`` bytes are used instead of reading when the header puts them there."""
     a, b = units
     index, count = item
-    views, parts = [], {}
-    for name in sorted(header.tensors):
-        dtype, shape, start, _ = header.tensors[name]
-        row = torch.empty((), dtype=dtype).element_size()
-        for s in shape[1:]:
-            row *= s
-        dest = into[name].view(torch.uint8).reshape(-1) if into is not None and name in into else None
-        if dest is None:
-            dest = scratch.get(name, (b - a) * row)
-        views.append(_read_range(store, header, start + a * row, dest))
-        parts[name] = dest.view(dtype).view((b - a, *shape[1:]))
+    names = sorted(header.tensors)
+    starts = {n: header.tensors[n][2] + a * _row_bytes(header.tensors[n][0], header.tensors[n][1]) for n in names}
+    if prefetched is not None and prefetched.starts == starts:
+        views, parts = [prefetched.views[n] for n in names], prefetched.parts
+    else:
+        parts = {}
+        calls = []
+        for name in names:
+            dtype, shape, _, _ = header.tensors[name]
+            dest = _dest(name, (b - a) * _row_bytes(dtype, shape), scratch, into)
+            calls.append(partial(_read_range, store, header, starts[name], dest))
+            parts[name] = dest.view(dtype).view((b - a, *shape[1:]))
+        views = _run(calls, run)
     want = header.tags(count)[index]
     auth.check_tag(header.key, header.meta("nonce"), index, views, want, header.meta("tag_alg"), f"item {index}")
     return parts
@@ -605,7 +655,65 @@ def encode_payload(key: str, auth: Authenticator, flat: torch.Tensor, plan: Shar
         raise ValueError(f"payload must be a flat fp32 tensor of {plan.numel} elements")
     items = [(plan.bounds[k], plan.bounds[k + 1]) for k in range(plan.n_shards)]
     meta = {"codec": plan.codec, "numel": str(plan.numel), **meta}
-    return encode_object(key, auth, "payload", _encode_units(flat, plan.codec), meta, items)
+    tensors = _encode_units(flat, plan.codec)
+    return encode_object(key, auth, "payload", tensors, meta, items, data_start=payload_data_start(plan))
+
+
+def decode_payload_blob(blob: Blob, plan: ShardPlan, key: str) -> torch.Tensor:
+    """What every reader decodes from a payload `encode_payload` made (its tensors are read back from ``blob``, not
+    re-encoded): ``plan.numel`` values, fp32 (bf16 for that codec). For fp32 a view of the encoded bytes.
+    `CorruptObjectError` naming ``key`` if its content breaks the codec's rules."""
+    shapes = plan.shapes(0, plan.units)
+    names = sorted(shapes)
+    if len(blob) != 1 + len(names):
+        raise ValueError(f"{key}: a payload blob of {len(blob)} buffers, {plan.codec} needs {1 + len(names)}")
+    tensors = {name: _frombuffer(buf, *shapes[name]) for name, buf in zip(names, blob[1:], strict=True)}
+    return _decode_units(tensors, plan.codec, plan.numel, key)
+
+
+def payload_data_start(plan: ShardPlan) -> int:
+    """Where the tensor data of a payload of ``plan`` start: its header is padded to the header probe's size, so a
+    reader can fetch a shard's bytes beside the header (`prefetch_payload_shard`) in the same round trip."""
+    return -(-header_probe(plan.n_shards) // 8) * 8
+
+
+def prefetch_payload_shard(
+    store: ObjectStore,
+    key: str,
+    plan: ShardPlan,
+    shard: int,
+    scratch: Scratch,
+    out: torch.Tensor | None = None,
+) -> tuple[list[Callable[[], bool]], Prefetch]:
+    """Reads of shard ``shard`` of the payload at ``key`` where `encode_payload` puts it, not knowing the header yet:
+    one call per tensor (each True once its bytes were read; False while the object is absent or shorter), to run
+    beside the header's read, and the `Prefetch` they fill. Nothing is trusted here: `read_payload_shard` adopts
+    the bytes only if every call returned True, the authenticated header puts the shard there and its content tag
+    verifies."""
+    a, b = plan.bounds[shard], plan.bounds[shard + 1]
+    into = {"x": out} if out is not None and plan.codec == "fp32" else None
+    shapes = plan.shapes(0, plan.units)
+    offset = payload_data_start(plan)
+    starts, parts, views = {}, {}, {}
+    calls: list[Callable[[], bool]] = []
+    for name in sorted(shapes):
+        dtype, shape = shapes[name]
+        row = _row_bytes(dtype, shape)
+        starts[name] = offset + a * row
+        dest = _dest(name, (b - a) * row, scratch, into)
+        parts[name] = dest.view(dtype).view((b - a, *shape[1:]))
+        views[name] = memoryview(cast("Buffer", dest.numpy())).cast("B") if dest.numel() else memoryview(bytearray())
+        calls.append(partial(_read_into_or_absent, store, key, starts[name], views[name]))
+        offset += plan.units * row
+    return calls, Prefetch(starts, parts, views)
+
+
+def _read_into_or_absent(store: ObjectStore, key: str, start: int, view: memoryview) -> bool:
+    """Fill ``view`` from byte ``start`` of ``key``: False if the object is absent or too short."""
+    try:
+        return store.read_into(key, start, view) == view.nbytes
+    except FileNotFoundError:
+        return False
 
 
 def read_payload_shard(
@@ -616,13 +724,19 @@ def read_payload_shard(
     shard: int,
     scratch: Scratch,
     out: torch.Tensor | None = None,
+    *,
+    prefetched: Prefetch | None = None,
+    run: RunAll | None = None,
 ) -> torch.Tensor:
     """Range-read shard ``shard`` of a payload (whose header was checked against ``plan``), verify its tag and
     decode it: the shard's values (fp32, or bf16 for that codec), valid until ``scratch`` is reused. With the fp32
-    codec and a contiguous fp32 ``out``, the bytes are read straight into ``out`` (garbage there if this raises)."""
+    codec and a contiguous fp32 ``out``, the bytes are read straight into ``out`` (garbage there if this raises).
+    ``prefetched`` (`prefetch_payload_shard`, same ``scratch`` and ``out``) saves the read when the header puts the
+    shard where it was read; ``run`` reads the ranges of several tensors at once."""
     a, b = plan.bounds[shard], plan.bounds[shard + 1]
     into = {"x": out} if out is not None and plan.codec == "fp32" else None
-    parts = _read_item(store, header, auth, (a, b), (shard, plan.n_shards), scratch, into)
+    parts = _read_item(store, header, auth, (a, b), (shard, plan.n_shards), scratch, into, prefetched=prefetched,
+                       run=run)  # fmt: skip
     lo, hi = plan.elem_range(shard)
     return _decode_units(parts, plan.codec, hi - lo, header.key)
 
@@ -645,6 +759,13 @@ def encode_reduced(
     return blob, _decode_units(tensors, plan.codec, hi - lo, key)
 
 
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    count = torch.empty((), dtype=dtype).element_size()
+    for s in shape:
+        count *= s
+    return count
+
+
 def read_reduced(
     store: ObjectStore,
     key: str,
@@ -657,10 +778,15 @@ def read_reduced(
 ) -> None:
     """Read a reduced shard object, check it (layout, ``meta``, tag) and write its fp32 values into ``out``.
 
-    For the fp32 codec the bytes land in ``out`` directly (one copy); ``out`` holds garbage if this raises.
+    For the fp32 codec the bytes land in ``out`` directly (one copy); ``out`` holds garbage if this raises. Over a
+    network the object comes in one ranged read (header and data), on a local disk the data are read straight into
+    ``out`` after the header.
     """
-    header = read_header(store, key, auth, header_probe(len(plan.bounds)))
     a, b = plan.bounds[shard], plan.bounds[shard + 1]
+    probe = header_probe(len(plan.bounds))
+    if store.remote:
+        probe += sum(_nbytes(dtype, shape) for dtype, shape in plan.shapes(a, b).values())
+    header = read_header(store, key, auth, probe)
     header.expect("reduced", plan.shapes(a, b), codec=plan.codec, numel=str(plan.numel), shard=str(shard), **meta)
     lo, hi = plan.elem_range(shard)
     if out.dtype != torch.float32 or out.numel() != hi - lo or not out.is_contiguous():

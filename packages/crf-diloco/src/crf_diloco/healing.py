@@ -1,0 +1,225 @@
+"""Healing: the run's global state snapshots and how a replica that is behind finds the one to load.
+
+After a round commits, `MockManager` writes the global state (every registered torchft state plus its own
+``{"round", "step", "batches_committed"}`` under ``"torchft"``) to ``state/r{round}.safetensors``, sealed with the
+run's secret (`crf_diloco.checkpoint`). `StateSnapshots` writes, reads and collects those objects; `plan_heal`
+decides, from authenticated objects only, what a replica behind the store loads at ``start_quorum()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from crf_diloco.auth import Authenticator
+from crf_diloco.checkpoint import dumps_state, loads_state
+from crf_diloco.errors import CorruptObjectError, HealError
+from crf_diloco.layout import parse_state_key, state_key
+from crf_diloco.rounds.round import poll_until
+from crf_diloco.store import ObjectStore
+from crf_diloco.wire import Blob, read_header
+
+if TYPE_CHECKING:
+    from crf_diloco.allreduce import ObjectStoreAllReduce
+
+__all__ = ["KEEP_STATES", "MANAGER_KEY", "Heal", "StateSnapshots", "plan_heal"]
+
+logger = logging.getLogger(__name__)
+#: authentic states kept in the store (older ones are deleted when a new one is written)
+KEEP_STATES = 3
+#: the key of the manager's own record in a state: ``{"round", "step", "batches_committed"}``
+MANAGER_KEY = "torchft"
+_MANAGER_FIELDS = ("round", "step", "batches_committed")
+
+
+class StateSnapshots:
+    """The global states written after committed rounds, under ``state/`` of a run's prefix.
+
+    Args:
+        store: the run's prefix.
+        auth: MACs keyed with the run's secret (a state that fails them is corrupt, never loaded).
+        keep: authentic states to keep (the newest ``keep`` up to the one just written).
+    """
+
+    def __init__(self, store: ObjectStore, auth: Authenticator, *, keep: int = KEEP_STATES) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (states kept in the store), got {keep!r}")
+        self._store = store
+        self._auth = auth
+        self.keep = keep
+
+    def write(self, round_id: int, state: dict[str, Any]) -> bool:
+        """Create the state of committed round ``round_id`` (create-only: False if one is there already), then
+        collect older ones."""
+        return self.put(round_id, self.seal(round_id, state))
+
+    def seal(self, round_id: int, state: dict[str, Any]) -> Blob:
+        """The sealed object of ``state`` for round ``round_id``: its tensors are copied now, so the state may change
+        once this returns (e.g. while `put` uploads it in the background)."""
+        return dumps_state(state, state_key(round_id), self._auth)
+
+    def put(self, round_id: int, sealed: Blob) -> bool:
+        r"""Create a `seal`\ ed state (False if one is there already), then collect older ones."""
+        created = self._store.put_create(state_key(round_id), sealed)
+        self.collect(round_id)
+        return created
+
+    def exists(self, round_id: int) -> bool:
+        """Whether something is stored under the state key of ``round_id`` (authentic or not)."""
+        return self._store.exists(state_key(round_id))
+
+    def read(self, round_id: int) -> dict[str, Any] | None:
+        """The authentic state of ``round_id`` (``None`` if absent); `CorruptObjectError` if it is not authentic or
+        malformed."""
+        key = state_key(round_id)
+        blob = self._store.try_get(key)
+        return None if blob is None else loads_state(blob, key, self._auth)
+
+    def listed(self) -> list[int]:
+        """The rounds of the objects named like states (by name only: not authenticated), ascending."""
+        return sorted(r for r in map(parse_state_key, self._store.list_names("state")) if r is not None)
+
+    def collect(self, round_id: int) -> None:
+        """Keep the ``keep`` newest authentic states up to ``round_id`` and delete the authentic ones before them.
+        Only states whose header authenticates are counted or deleted, none after ``round_id``: junk named like a
+        state (``state/r99999999.safetensors``) is neither kept in place of a real checkpoint nor deleted."""
+        kept = 0
+        for r in sorted((r for r in self.listed() if r <= round_id), reverse=True):
+            try:
+                header = read_header(self._store, state_key(r), self._auth)
+            except (FileNotFoundError, CorruptObjectError):
+                continue
+            if header.metadata.get("kind") != "state":
+                continue
+            kept += 1
+            if kept > self.keep:
+                self._store.remove_tree(state_key(r))
+
+
+def read_manager_state(snapshots: StateSnapshots, round_id: int, registered: Collection[str]) -> dict[str, Any] | None:
+    """The state of ``round_id`` as `MockManager` wrote it (``None`` if absent): `CorruptObjectError` if it is not
+    authentic or its manager record is not round ``round_id``'s, `HealError` if it lacks a ``registered`` state."""
+    state = snapshots.read(round_id)
+    if state is None:
+        return None
+    meta = state.get(MANAGER_KEY)
+    key = state_key(round_id)
+    if (
+        not isinstance(meta, dict)
+        or not all(type(meta.get(f)) is int for f in _MANAGER_FIELDS)
+        or meta["round"] != round_id
+    ):
+        raise CorruptObjectError(
+            f"{key}: its torchft record is not round {round_id}'s {{round, step, batches_committed}}"
+        )
+    missing = sorted(set(registered) - set(state))
+    if missing:
+        raise HealError(
+            f"{key} has no state for {missing} (has {sorted(state)}): the replicas register different state"
+        )
+    return state
+
+
+@dataclass(frozen=True)
+class Heal:
+    """What a replica that is behind the store does: load ``state`` (committed round ``round_id``; ``None``: keep
+    its own state), join round ``frontier`` as an observer, and stay ``stale`` (behind: heal again once a newer
+    committed state exists) or not."""
+
+    round_id: int | None
+    state: dict[str, Any] | None
+    frontier: int
+    stale: bool
+
+
+def plan_heal(
+    allreduce: ObjectStoreAllReduce,
+    *,
+    last_committed: int | None,
+    stale: bool,
+    registered: Collection[str],
+    timeout: float,
+) -> Heal | None:
+    """What this replica must load to be in step with the store, or ``None`` when it is.
+
+    Only authentic state is loaded. If the latest committed round's state is corrupt or forged (it can never be
+    replaced: objects are create-only), or does not appear within ``timeout`` seconds (its writer may have died;
+    others write it at their ``start_quorum``), the newest authentic earlier state newer than ``last_committed`` is
+    loaded and the replica stays ``stale``; with none, it keeps its own state (or `HealError` if it never had one).
+
+    In step, one read settles it: a replica whose last round (``allreduce.round_id - 1``) is ``last_committed`` is
+    behind only if the next round was decided without it (rounds are decided in order, so none after it either).
+    """
+    if (
+        last_committed is not None
+        and not stale
+        and last_committed == allreduce.round_id - 1
+        and allreduce.read_decision(allreduce.round_id) is None
+    ):
+        return None
+    snapshots = allreduce.snapshots()
+    rank = allreduce.rank
+    latest: int | None = None
+    frontier = 0
+
+    def probe(late: bool) -> Heal | Literal["in step", "fall back"] | None:
+        nonlocal latest, frontier
+        # frontier first: every round between the latest commit read afterwards and it aborted
+        frontier = allreduce.frontier()
+        latest = allreduce.latest_committed_round()
+        if latest is None or (latest == last_committed and not stale):
+            return "in step"
+        if not registered:
+            raise HealError(
+                f"rank {rank} is behind the store (last committed round {latest}) but no state is registered to "
+                "load; use MockManager with torchft DiLoCo (it registers its state)"
+            )
+        try:
+            state = read_manager_state(snapshots, latest, registered)
+        except CorruptObjectError as e:
+            logger.warning("rank %d cannot heal from round %d: %s", rank, latest, e)
+            return "fall back"
+        if state is not None:
+            return Heal(latest, state, frontier, stale=False)
+        if late:
+            logger.warning("rank %d: the state of committed round %d (%s) did not appear within %.1fs",
+                           rank, latest, state_key(latest), timeout)  # fmt: skip
+            return "fall back"
+        return None
+
+    found = poll_until(time.monotonic() + timeout, probe, interval=allreduce.poll_interval)
+    if isinstance(found, Heal):
+        return found
+    if found == "in step" or latest is None:
+        return None
+    return _fall_back(snapshots, rank, latest, frontier, last_committed, stale, registered)
+
+
+def _fall_back(
+    snapshots: StateSnapshots,
+    rank: int,
+    latest: int,
+    frontier: int,
+    last_committed: int | None,
+    stale: bool,
+    registered: Collection[str],
+) -> Heal:
+    """The newest authentic state older than ``latest`` (and newer than this replica's own), or keep its own."""
+    own = last_committed if last_committed is not None else -1
+    for r in sorted((r for r in snapshots.listed() if own < r < latest), reverse=True):
+        try:
+            state = read_manager_state(snapshots, r, registered)
+        except CorruptObjectError as e:
+            logger.warning("rank %d skips a checkpoint: %s", rank, e)
+            continue
+        if state is not None:
+            return Heal(r, state, frontier, stale=True)
+    if last_committed is None and not stale:
+        raise HealError(
+            f"rank {rank} is behind the store (last committed round {latest}) and found no authentic committed "
+            "state to load; check that every replica runs with the run's CRF_DILOCO_SECRET"
+        )
+    return Heal(None, None, frontier, stale=True)

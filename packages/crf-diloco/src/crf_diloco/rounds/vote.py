@@ -1,0 +1,123 @@
+"""Decide: the round's single ``decision.json`` (first writer wins), and the store-wide vote that settles it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Literal
+
+from crf_diloco.errors import AllReduceError, RoundTimeoutError
+from crf_diloco.layout import RoundKeys
+from crf_diloco.records import DecisionRecord, QuorumRecord, VoteRecord
+from crf_diloco.rounds.peer import Peer
+from crf_diloco.rounds.round import RoundFailure, RoundSettings, poll_until
+
+__all__ = ["Decide", "await_decision", "await_votes", "cast_vote", "decide", "stands"]
+
+#: ``decide(keys, outcome, reason, token, decide=may_write)``: write the decision if allowed, return the one standing
+Decide = Callable[..., DecisionRecord]
+
+
+def decide(
+    peer: Peer,
+    keys: RoundKeys,
+    outcome: Literal["commit", "abort"],
+    reason: str,
+    token: str | None,
+    *,
+    may_write: bool,
+    settings: RoundSettings,
+) -> DecisionRecord:
+    """Create the round's decision (first writer wins) if this replica ``may_write`` (a participant of the round, or
+    a non-observing announcer before its quorum), and return the one that stands. Observers never write one: they
+    wait for the participants' (`RoundTimeoutError` after ``timeout``).
+
+    The write and a read of the decision go out together: whoever created it, one round trip usually settles it
+    (ours if the create succeeded: create-only writes make it the one that stands; else the one read)."""
+    if may_write:
+        record = DecisionRecord(keys.round_id, outcome, reason, peer.rank, token, world_size=peer.world_size)
+        created, found = peer.outcomes([partial(peer.write_record, keys.decision, record),
+                                        partial(peer.read_decision, keys.round_id)])  # fmt: skip
+        if created is True:
+            return record
+        if isinstance(found, DecisionRecord):
+            return found
+    return await_decision(peer, keys, settings)
+
+
+def await_decision(peer: Peer, keys: RoundKeys, settings: RoundSettings) -> DecisionRecord:
+    """The round's decision, polled for up to ``timeout`` seconds (`RoundTimeoutError` after that)."""
+
+    def probe(late: bool) -> DecisionRecord | None:
+        try:
+            found = peer.read_decision(keys.round_id)
+        except AllReduceError:
+            found = None
+        if found is None and late:
+            raise RoundTimeoutError(
+                f"round {keys.round_id}: no decision object could be read within {settings.timeout:.1f}s"
+            )
+        return found
+
+    return poll_until(time.monotonic() + settings.timeout, probe, interval=settings.poll_interval)
+
+
+def stands(decision: DecisionRecord, quorum: QuorumRecord | None) -> bool:
+    """True if ``decision`` commits the round that ``quorum`` describes (a commit of another attempt does not)."""
+    return decision.committed and quorum is not None and decision.token == quorum.token
+
+
+def cast_vote(peer: Peer, keys: RoundKeys, quorum: QuorumRecord, ok: bool, reason: str, keep_rounds: int) -> None:
+    """Create this participant's ``votes/{rank}.json`` (never into a round collected under it)."""
+    peer.check_not_collected(keys, keep_rounds)  # a vote into a collected round would re-create it
+    vote = VoteRecord(peer.rank, ok, reason, quorum.token, peer.incarnation, world_size=peer.world_size)
+    peer.write_record(keys.vote(peer.rank), vote)
+
+
+def await_votes(
+    peer: Peer, keys: RoundKeys, quorum: QuorumRecord, settings: RoundSettings, ok: bool, reason: str, write: Decide
+) -> DecisionRecord:
+    """(A participant) poll the round's votes until a decision stands, writing it with ``write`` once the votes
+    settle it: ``commit`` when every participant voted true, ``abort`` as soon as one voted false or when
+    ``timeout`` passes with votes missing."""
+    token, participants = quorum.token, quorum.participants
+    if not ok:
+        return write(keys, "abort", f"rank {peer.rank} voted to abort: {reason}", token, decide=True)
+    votes: dict[int, VoteRecord] = {}
+
+    def read_vote(rank: int) -> VoteRecord | None:
+        key = keys.vote(rank)
+        record = peer.read_record(key, lambda o, k: VoteRecord.parse(o, k, peer.world_size))
+        if record is not None and (record.rank != rank or record.token != token):
+            raise RoundFailure(f"{key} belongs to another rank or round attempt (stale object)")
+        return record
+
+    def probe(late: bool) -> DecisionRecord | None:
+        # one wave: the decision and every vote not read yet
+        unread = [r for r in participants if r not in votes]
+        decision, *records = peer.outcomes([
+            partial(peer.read_decision, keys.round_id), *(partial(read_vote, r) for r in unread)
+        ])  # fmt: skip
+        if isinstance(decision, BaseException):
+            raise decision
+        if decision is not None:
+            return decision
+        for rank, record in zip(unread, records, strict=True):
+            if isinstance(record, BaseException):
+                raise record
+            if record is not None:
+                votes[rank] = record
+        against = sorted(r for r, v in votes.items() if not v.ok)
+        if against:
+            why = "; ".join(f"rank {r} voted to abort: {votes[r].reason}" for r in against)
+            return write(keys, "abort", why, token, decide=True)
+        if len(votes) == len(participants):
+            return write(keys, "commit", "", token, decide=True)
+        if late:
+            missing = sorted(set(participants) - set(votes))
+            why = f"votes of ranks {missing} did not appear within {settings.timeout:.1f}s"
+            return write(keys, "abort", why, token, decide=True)
+        return None
+
+    return poll_until(time.monotonic() + settings.timeout, probe, interval=settings.poll_interval)

@@ -1,0 +1,54 @@
+"""moto's S3 server on 127.0.0.1 with one bucket: the S3 endpoint the tests and `benchmarks/allreduce.py` use."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["S3Endpoint", "moto_s3_server"]
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    """A running S3 endpoint: ``http://127.0.0.1:port``, its bucket and the fsspec options that reach it."""
+
+    host: str
+    port: int
+    bucket: str
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
+        """s3fs options for this server, or for ``endpoint`` in front of it (e.g. a `wan_proxy.WanProxy` port)."""
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": endpoint or self.endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+
+
+@contextmanager
+def moto_s3_server(bucket: str = "crf-diloco-test") -> Iterator[S3Endpoint]:
+    """Start moto's threaded S3 server on a free port of 127.0.0.1, create ``bucket``, stop it on exit.
+
+    Needs ``moto[server]``, ``boto3`` (both in the workspace's test group) and ``s3fs`` to talk to it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        found = S3Endpoint(host, port, bucket)
+        boto3.client("s3", endpoint_url=found.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=bucket)  # fmt: skip
+        yield found
+    finally:
+        server.stop()

@@ -1,0 +1,147 @@
+"""The WAN proxy of the benchmarks (``wan_proxy.py``): bytes intact, delays and caps at least as configured,
+127.0.0.1 only, bounded, stops by itself; an S3 round through it. Every wait here is bounded; no assertion depends on
+this machine being fast (only lower bounds the proxy guarantees)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from wan_proxy import CHUNK, WanLink, WanProxy, _Pacer
+
+from crf_diloco import ObjectStoreAllReduce
+
+SECRET = "wan-proxy-test-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def echo() -> Iterator[tuple[str, int]]:
+    """A TCP server on 127.0.0.1 that sends back what it receives, until the client half-closes."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(30)
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(30)
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[:2]
+    stop.set()
+    server.close()
+
+
+def _exchange(port: int, data: bytes) -> bytes:
+    """Send ``data`` through the proxy to the echo server and read it all back."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        sender = threading.Thread(target=lambda: (conn.sendall(data), conn.shutdown(socket.SHUT_WR)))
+        sender.start()
+        back = bytearray()
+        while chunk := conn.recv(1 << 16):
+            back += chunk
+        sender.join(30)
+    return bytes(back)
+
+
+def test_bytes_pass_intact_and_are_counted_per_link(echo: tuple[str, int]) -> None:
+    data = os.urandom(3 * CHUNK + 123)
+    with WanProxy(echo, links=2, link=WanLink(rtt=0.002, per_link=200e6), lifetime=60) as proxy:
+        assert _exchange(proxy.ports[1], data) == data
+        deadline = time.monotonic() + 30
+        while proxy.stats[1].down < len(data) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = proxy.snapshot()
+    assert (stats[1].up, stats[1].down, stats[1].connections) == (len(data), len(data), 1)
+    assert (stats[0].up, stats[0].down, stats[0].connections) == (0, 0, 0), "the other link saw nothing"
+
+
+def test_latency_and_bandwidth_are_at_least_as_configured(echo: tuple[str, int]) -> None:
+    """Lower bounds only: an exchange costs at least one rtt plus a handshake rtt; n bytes each way (the echo starts
+    sending back as the first bytes arrive) cost the handshake, 2n / rate on a link that carries both directions
+    together, and the last byte's half round trip."""
+    rtt, rate, n = 0.2, 2e6, 400_000
+    with WanProxy(echo, link=WanLink(rtt=rtt, per_link=rate, connect_rtts=1), lifetime=60) as proxy:
+        start = time.monotonic()
+        assert _exchange(proxy.ports[0], b"x") == b"x"
+        assert time.monotonic() - start >= 2 * rtt  # handshake + request/response
+        start = time.monotonic()
+        assert _exchange(proxy.ports[0], b"y" * n) == b"y" * n
+        assert time.monotonic() - start >= rtt + 2 * n / rate + rtt / 2
+
+
+def test_pacers_never_carry_more_than_their_rate() -> None:
+    """The virtual clock: chunks booked back to back on a 1 MB/s pacer leave at n/rate intervals; no cap passes."""
+    pacer = _Pacer(1e6)
+    assert pacer.book(10.0, 500_000) == pytest.approx(10.5)
+    assert pacer.book(max(10.0, pacer.free), 250_000) == pytest.approx(10.75)
+    assert _Pacer(None).book(3.0, 10**9) == 3.0
+
+
+def test_listens_on_loopback_only_and_refuses_other_upstreams() -> None:
+    with pytest.raises(ValueError, match=r"127\.0\.0\.1"):
+        WanProxy(("10.0.0.1", 80))
+    with pytest.raises(ValueError, match="lifetime"):
+        WanProxy(("127.0.0.1", 80), lifetime=0)
+    with pytest.raises(ValueError, match="rtt"):
+        WanLink(rtt=-1)
+    with pytest.raises(ValueError, match="per_link"):
+        WanLink(per_link=10)
+    with WanProxy(("127.0.0.1", 9), links=3, lifetime=30) as proxy:
+        assert [host for host, _ in proxy.addresses] == ["127.0.0.1"] * 3
+
+
+def test_stops_by_itself_after_its_lifetime_and_closes_connections(echo: tuple[str, int]) -> None:
+    proxy = WanProxy(echo, link=WanLink(rtt=0.0), lifetime=1).start()
+    conn = socket.create_connection(("127.0.0.1", proxy.ports[0]), timeout=30)
+    proxy._thread.join(30)  # type: ignore[union-attr]
+    assert not proxy.running, "the proxy outlived its lifetime"
+    conn.settimeout(30)
+    assert conn.recv(1) == b"", "its connections were closed"
+    conn.close()
+    with pytest.raises(RuntimeError, match="started already"):
+        proxy.start()
+
+
+def test_an_s3_round_through_the_proxy_commits_and_is_counted(moto_s3: dict[str, Any]) -> None:
+    """Two replicas on moto's S3 server, each through its own link: the round commits with the exact mean, every
+    byte the stores counted crossed the proxy, and concurrent requests share round trips."""
+    host, port = moto_s3["endpoint"].removeprefix("http://").split(":")
+    uri = f"s3://{moto_s3['bucket']}/wan-{uuid.uuid4().hex[:8]}"
+    with WanProxy((host, int(port)), links=2, link=WanLink(rtt=0.005, per_link=100e6), lifetime=300) as proxy:
+        options = [{**moto_s3["storage_options"], "endpoint_url": f"http://127.0.0.1:{p}"} for p in proxy.ports]
+        out: list[Any] = [None, None]
+
+        def replica(rank: int) -> None:
+            ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=120, storage_options=options[rank])
+            t = torch.full((4096,), float(rank))
+            ar.allreduce(t)
+            out[rank] = (t, ar.store.traffic())
+            ar.close()
+
+        threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        stats = proxy.snapshot()
+    for rank, (t, traffic) in enumerate(out):
+        assert torch.equal(t, torch.full((4096,), 0.5))
+        assert stats[rank].bytes >= traffic.bytes_read + traffic.bytes_written > 4 * 4096
+        assert 0 < traffic.round_trips < traffic.requests, "overlapping requests share a round trip"
