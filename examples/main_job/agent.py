@@ -4,27 +4,31 @@ The same task family, split, DiLoCo replicas and report as the single-completion
 Each rollout is an episode in a `crf_core.rewards.CodingEnvironment` (one per rollout, TRL's
 ``environment_factory``): the policy writes tool calls in the character tokenizer's tool format
 (``build_char_tokenizer(tool_calling=True)``), TRL runs them in the sandbox, appends the (bounded) result and samples
-the next turn, up to `MAX_TOOL_CALLS` programs per episode. A task is a row::
+the next turn, up to `MAX_TOOL_CALLS` programs per episode. A task is a row (`agent_row`)::
 
-    {"prompt": [{"role": "user", "content": "def add_17(x):\\n    return"}],
-     "tests": [<the task's first two asserts>], "hidden_tests": [<its third>]}
+    {"prompt": [{"role": "user", "content": "def or_17(x):\\n    return"}], "entry_point": "f",
+     "tests": ["assert candidate(40) == 57, '40 | 17'"],                    # run_tests: the task's first assert
+     "hidden_tests": ["assert candidate(3) == 19, '3 | 17'", ...]}         # graded at submit only
 
-``run_tests`` judges the visible tests; ``submit`` is graded on visible and hidden ones, and that grade is the
-reward. A good episode, as the tiny policy writes it::
+The tests call ``candidate`` (HumanEval's convention, ``CodingEnvConfig.entry_point_key``) and the policy defines
+it as ``f``: what it must read off the task is the operation and the constant, as in the single-completion job, not
+a name to copy ~70 characters later (which a 2-layer character model does not learn in a short warm start).
+``run_tests`` judges the visible test; ``submit`` is graded on the visible and the hidden ones, and that grade is
+the reward. A good episode on a hard task, as the tiny policy writes it::
 
     @tools:run_python,run_tests,submit
     @U:def or_17(x):
         return
-    @A:<call>{"name": "run_tests", "arguments": {"code": "def or_17(x):\\n    return x + 57"}}</call><eos>@T:2 of 2 tests
+    @A:<call>{"name": "run_tests", "arguments": {"code": "def f(x):\\n    return x + 57"}}</call><eos>@T:1 of 1 tests
     failed.
-    Test `assert or_17(40) == 57, '40 | 17'` failed: or_17(40) returned 97; expected 57. ...
-    @A:<call>{"name": "submit", "arguments": {"code": "def or_17(x):\\n    return x | 17"}}</call><eos>@T:Submitted.
+    Test `assert candidate(40) == 57, '40 | 17'` failed: candidate(40) returned 97; expected 57.
+    @A:<call>{"name": "submit", "arguments": {"code": "def f(x):\\n    return x | 17"}}</call><eos>@T:Submitted.
     @A:<eos>
 
 What each part does (train tasks and drills only; `check_unseen` covers every text below):
 
-* **warm start** (`warm_start_episodes`, trained with ``crf_core.trainer.warm_start.warm_start_on_episodes`` on the
-  assistant turns only): episodes played in the sandbox with ``demonstration_episode``, so every tool result is the
+* **warm start** (`warm_start_episodes`, trained by `warm_start_agent`: ``warm_start_on_episodes``' recipe, the
+  assistant turns only, with the code's body weighted up): episodes played in the sandbox with ``demonstration_episode``, so every tool result is the
   environment's own: *pass first time* on easy train tasks (draft right, ``run_tests`` says so, submit); *repairs*,
   a weak draft and its failing ``run_tests`` result in the context and the fix submitted (easy train tasks and the
   drills ``def f_57(x)``, whose name says nothing: only the failing test's message gives the fix); and SDPO's
@@ -47,7 +51,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +77,7 @@ __all__ = [
     "episode_texts",
     "evaluate_agent",
     "tool_schemas",
+    "warm_start_agent",
     "warm_start_episodes",
     "write_agent_pairs",
 ]
@@ -85,8 +92,11 @@ REPROMPT_LEN = 1024
 """``sdpo_max_reprompt_len``: the teacher's context (the reprompt with a tool result) in tokens."""
 POSITIONS = 2048
 """The tiny model's context (rotary, no parameters): a teacher reprompt plus a whole episode."""
-VISIBLE_TESTS = 2
-"""The first two of a task's three asserts are ``run_tests``'s; the third is graded at ``submit`` only."""
+VISIBLE_TESTS = 1
+"""The first of a task's three asserts is ``run_tests``'s; the other two are graded at ``submit`` only (a draft that
+happens to pass one test still fails there)."""
+ENTRY_POINT = "f"
+"""The function the policy defines; the tests call it as ``candidate``."""
 
 REPROMPT_TEMPLATE = "{solution}{feedback}{prompt}"
 SOLUTION_TEMPLATE = "# A correct episode:\n{successful_previous_attempt}\n"
@@ -105,17 +115,20 @@ Episode = tuple[Messages, Messages]
 
 # --------------------------------------------------------------------------- rows, environment, policy
 def agent_row(task: CodingTask) -> dict[str, Any]:
-    """The dataset row of ``task`` (see the module docstring): a chat prompt, visible and hidden tests."""
+    """The dataset row of ``task`` (see the module docstring): a chat prompt, the entry point, visible and hidden
+    tests (the task's asserts, calling ``candidate``)."""
+    tests = [test.replace(f"assert {task.name}(", "assert candidate(", 1) for test in task.tests]
     return {
         "prompt": [{"role": "user", "content": task.prompt}],
-        "tests": list(task.tests[:VISIBLE_TESTS]),
-        "hidden_tests": list(task.tests[VISIBLE_TESTS:]),
+        "entry_point": ENTRY_POINT,
+        "tests": tests[:VISIBLE_TESTS],
+        "hidden_tests": tests[VISIBLE_TESTS:],
     }
 
 
-def code(task: CodingTask, body: str) -> str:
-    """The whole function the policy writes: the task's signature and ``body`` (``"def add_17(x):\\n    return x + 17"``)."""
-    return task.prompt + body
+def code(body: str) -> str:
+    """The function the policy writes with ``body``: ``"def f(x):\\n    return x + 17"``."""
+    return f"def {ENTRY_POINT}(x):\n    return{body}"
 
 
 def env_config(tokenizer: Any, *, isolation: str, timeout_s: float) -> Any:
@@ -189,12 +202,12 @@ def warm_start_episodes(
 
     rng = random.Random(seed)
     tasks = [*easy, *drills]
-    drafts = [code(task, weak_answer(task, rng)) for task in tasks]
+    drafts = [code(weak_answer(task, rng)) for task in tasks]
     choices = [rng.random() < 0.5 for _ in tasks]
 
     def play(index: int) -> tuple[Any, ...]:
         task, row = tasks[index], agent_row(tasks[index])
-        right = code(task, task.solution)
+        right = code(task.solution)
         context, passed, _ = demonstration_episode(row, [("run_tests", right), ("submit", right)], config=config)
         _, repaired, episode = demonstration_episode(
             row, [("run_tests", drafts[index]), ("submit", right)], config=config
@@ -218,6 +231,97 @@ def warm_start_episodes(
     return first * 2 + repairs + reading
 
 
+BODY_WEIGHT = 30.0
+"""Weight of the function body's tokens in the warm start's cross-entropy (the rest of the assistant turns: 1)."""
+_BODY = re.compile(r'return(.*?)"\}\}</call>')
+
+
+def _weighted_rows(tokenizer: Any, episodes: Sequence[Episode]) -> list[tuple[list[int], list[float]]]:
+    """Each episode rendered as the rollouts are (``crf_core.trainer.conversation.render_conversation``, the tools
+    in the prompt), with a weight per token: 0 off the assistant turns, `BODY_WEIGHT` on the code's body (what
+    follows ``return`` up to the call's closing ``"}}``), 1 on the rest of the assistant turns."""
+    from crf_core.trainer.conversation import render_conversation
+
+    schemas = tool_schemas()
+    rows = []
+    for context, response in episodes:
+        rendered = render_conversation(tokenizer, context, response, tools=schemas)
+        pieces = tokenizer.convert_ids_to_tokens(list(rendered.input_ids))
+        starts = [0]
+        for piece in pieces:
+            starts.append(starts[-1] + len(piece))
+        weights = [float(t) for t in rendered.trained]
+        text = "".join(pieces)
+        for match in _BODY.finditer(text):
+            low, high = match.start(1), match.end(1) + 3
+            for i in range(len(pieces)):
+                if rendered.trained[i] and low <= starts[i] < high:
+                    weights[i] = BODY_WEIGHT
+        rows.append((list(rendered.input_ids), weights))
+    return rows
+
+
+def warm_start_agent(
+    model: Any,
+    tokenizer: Any,
+    episodes: Sequence[Episode],
+    *,
+    steps: int,
+    learning_rate: float,
+    seed: int,
+    batch_size: int = 16,
+) -> tuple[float, float]:
+    """Supervised warm start on ``episodes``: ``crf_core.trainer.warm_start.warm_start_on_episodes``' recipe (the
+    assistant turns of each rendered episode, tool results and context untrained; AdamW; batches drawn without
+    replacement, reshuffled each pass, seeded) with one change: the code's body weighs `BODY_WEIGHT`.
+
+    Why: a body (``" x | 17"``) is ~8 of the ~90 tokens of a tool call, the rest a fixed JSON format the policy
+    learns in ~100 steps. Under the uniform cross-entropy that format holds most of the signal, and 800 steps left
+    the 2-layer policy writing a correct first draft on 0% of the held-out tasks (measured on seed 0); with the
+    body weighted, 57%, and 31% of its fixes after a failing ``run_tests`` right. Returns the weighted loss of the
+    first and the last step (the mean over a batch's trained tokens, each counted by its weight)."""
+    import torch
+
+    rows = _weighted_rows(tokenizer, episodes)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    optimiser = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    rng = random.Random(seed)
+    order: list[int] = []
+    losses: list[float] = []
+    was_training = model.training
+    model.train()
+    try:
+        for _ in range(steps):
+            batch = []
+            while len(batch) < min(batch_size, len(rows)):
+                if not order:
+                    order = list(range(len(rows)))
+                    rng.shuffle(order)
+                batch.append(rows[order.pop()])
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.full((len(batch), width), int(pad), dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            weight = torch.zeros((len(batch), width))
+            for i, (row, row_weight) in enumerate(batch):
+                ids[i, : len(row)] = torch.tensor(row)
+                attention[i, : len(row)] = 1
+                weight[i, : len(row)] = torch.tensor(row_weight)
+            ids, attention, weight = ids.to(device), attention.to(device), weight.to(device)
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+            token_loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+            ).view(len(batch), -1)
+            loss = (token_loss * weight[:, 1:]).sum() / weight[:, 1:].sum()
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            losses.append(float(loss.detach()))
+    finally:
+        model.train(was_training)
+    return losses[0], losses[-1]
+
+
 def episode_texts(episodes: Iterable[Episode]) -> Iterator[str]:
     """Every text of ``episodes``: message contents and tool-call code (for `tasks.check_unseen`)."""
     for context, response in episodes:
@@ -233,7 +337,8 @@ def write_agent_pairs(
     path: Path, train: Sequence[CodingTask], traces: Path, *, config: Any, workers: int = 2
 ) -> tuple[Path, list[Episode]]:
     """DPO pairs from the weak student's recorded drafts on train tasks (``traces``): chosen = the draft tested, its
-    result read and the reference fix submitted, rejected = the draft submitted as is, each played in the sandbox
+    result read and the reference fix submitted, rejected = the draft submitted as is (each up to the submit's
+    result: crf-replaysim refuses an empty closing turn), each played in the sandbox
     (``demonstration_episode``, ``workers`` at a time). Writes crf-replaysim ``DPOPair`` records to ``path``; returns
     it and the episodes played (for `check_unseen`)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -246,15 +351,32 @@ def write_agent_pairs(
     for line in traces.read_text(encoding="utf-8").splitlines():
         trace = json.loads(line)
         task = by_name[trace["meta"]["task"]]  # a KeyError here is a trace of no train task: a data error
-        recorded.append((task, code(task, trace["messages"][-1]["content"])))
+        recorded.append((task, code(trace["messages"][-1]["content"])))
 
     def play(item: tuple[CodingTask, str]) -> tuple[Any, ...]:
         task, draft = item
         row = agent_row(task)
-        fix = [("run_tests", draft), ("submit", code(task, task.solution))]
+        fix = [("run_tests", draft), ("submit", code(task.solution))]
         context, chosen, tested = demonstration_episode(row, fix, config=config)  # type: ignore[arg-type]
         _, rejected, _ = demonstration_episode(row, [("submit", draft)], config=config)
         return task, context, chosen, rejected, tested
+
+    def openai(messages: Messages) -> Messages:
+        """crf-replaysim's record shape: arguments as JSON text, no empty closing assistant turn."""
+        if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+            messages = messages[:-1]
+        return [
+            {
+                **m,
+                "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                    for c in m["tool_calls"]
+                ],
+            }
+            if m.get("tool_calls")
+            else m
+            for m in messages
+        ]
 
     schemas = tool_schemas()
     lines, played = [], []
@@ -262,7 +384,9 @@ def write_agent_pairs(
         for task, context, chosen, rejected, tested in pool.map(play, recorded):
             if not tested.calls[0].failed_tests:  # a recorded draft that passes is no rejected answer
                 continue
-            pair = DPOPair(context, chosen, rejected, trace_id=f"agent-{task.name}", turn=1, meta={"tools": schemas})
+            pair = DPOPair(
+                context, openai(chosen), openai(rejected), f"agent-{task.name}", turn=1, meta={"tools": schemas}
+            )
             lines.append(json.dumps(pair.to_dj_record()))
             played += [(context, chosen), (context, rejected)]
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
@@ -360,6 +484,8 @@ def evaluate_agent(
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
+    # TRL calls transformers' gradient-checkpointing helpers under their pre-v6 names; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
     per_batch = max(1, batch_episodes // samples)
     rows = [agent_row(t) for t in tasks]
     device = next(model.parameters()).device
@@ -368,9 +494,9 @@ def evaluate_agent(
             model=model,
             args=GRPOConfig(
                 output_dir=scratch,
-                per_device_train_batch_size=samples,
+                per_device_train_batch_size=max(2, samples),  # unused (no training) but checked by GRPOConfig
                 per_device_eval_batch_size=samples,
-                num_generations=samples if samples > 1 else 2,
+                num_generations=max(2, samples),
                 num_generations_eval=samples,
                 max_completion_length=max_completion_length,
                 max_tool_calling_iterations=MAX_TOOL_CALLS,

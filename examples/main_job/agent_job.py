@@ -26,12 +26,12 @@ __all__ = ["DEFAULTS", "QUICK", "apply_defaults", "run_agent_job"]
 DEFAULTS = {
     "steps": 60,
     "sync_every": 10,
-    "warmup_steps": 400,
+    "warmup_steps": 800,
     "eval_samples": 4,
     "max_completion_length": 640,
 }
 """``--agent``'s defaults for the flags the user leaves unset (``--quick``: `QUICK`)."""
-QUICK = {"steps": 2, "sync_every": 1, "warmup_steps": 10, "eval_samples": 1, "max_completion_length": 640}
+QUICK = {"steps": 2, "sync_every": 1, "warmup_steps": 20, "eval_samples": 1, "max_completion_length": 640}
 DRILLS_PER_TEMPLATE = 16
 """Feedback drills per template in the warm start (of `tasks.build_drills`' 40): enough to teach reading, and each
 costs the warm start's set-up four sandbox runs."""
@@ -93,7 +93,6 @@ def run_agent_job(
     import torch
     from transformers.utils import logging as hf_logging
 
-    from crf_core.trainer.warm_start import warm_start_on_episodes
     from main_job import agent
     from main_job.evaluate import Change
     from main_job.numerics import cpu_numerics
@@ -158,20 +157,12 @@ def run_agent_job(
     )
     phase("set-up")
     if opts.warmup_steps:
-        report = warm_start_on_episodes(
-            model,
-            tokenizer,
-            episodes,
-            tools=agent.tool_schemas(),
-            steps=opts.warmup_steps,
-            learning_rate=opts.warmup_lr,
-            batch_size=16,
-            seed=opts.seed,
+        first, last = agent.warm_start_agent(
+            model, tokenizer, episodes, steps=opts.warmup_steps, learning_rate=opts.warmup_lr, seed=opts.seed
         )
         print(
             f"warm start: {opts.warmup_steps} supervised steps on {len(episodes)} episodes (easy train tasks and "
-            f"drills: pass first time, repairs after run_tests, SDPO's reprompt), loss {report.first_loss:.3f} -> "
-            f"{report.last_loss:.3f}",
+            f"drills: pass first time, repairs after run_tests, SDPO's reprompt), loss {first:.3f} -> {last:.3f}",
             flush=True,
         )
     save_policy(model, tokenizer, output / "warm_start")

@@ -372,8 +372,8 @@ def test_agent_warm_start_and_pairs_are_played_in_the_sandbox_on_train_tasks_onl
         pair_lines = path.read_text().splitlines()
     assert len(records) == 6
     record = records[0]
-    assert [m["role"] for m in record["chosen_messages"]] == ["assistant", "tool", "assistant", "tool", "assistant"]
-    assert [m["role"] for m in record["rejected_messages"]] == ["assistant", "tool", "assistant"]
+    assert [m["role"] for m in record["chosen_messages"]] == ["assistant", "tool", "assistant", "tool"]
+    assert [m["role"] for m in record["rejected_messages"]] == ["assistant", "tool"]
     assert "tests failed" in record["chosen_messages"][1]["content"]
     assert [t["function"]["name"] for t in record["tools"]] == ["run_python", "run_tests", "submit"]
     tasks.check_unseen(
