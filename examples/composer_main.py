@@ -6,6 +6,7 @@ Run it from an environment with every crf package installed (``uv sync`` at the 
     python examples/composer_main.py                    # the full run, about 3 minutes on 2 quiet CPU cores
     python examples/composer_main.py --quick            # CI-sized wiring check, under a minute
     python examples/composer_main.py --channels grpo    # the ablation: GRPO alone at the same budget
+    python examples/composer_main.py --agent            # the agentic job: draft, run_tests, fix, submit
 
 What happens, with nothing to set up (the modules under ``main_job/`` hold each part):
 
@@ -165,7 +166,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--teacher-model", default="reference-solutions", help="teacher model name for --teacher-url")
     add("--prompts-per-step", type=int, default=2, help="train prompts per step and replica")
     add("--generations", type=int, default=8, help="rollouts per prompt (GRPO group size)")
-    add("--max-completion-length", type=int, default=12, help="tokens per rollout")
+    add("--max-completion-length", type=int, default=None, help="tokens per rollout (default 12; --agent 640)")
     add("--lr", type=float, default=None, help="inner AdamW learning rate (default: tiny 1e-3, smollm2 1e-5)")
     add("--temperature", type=float, default=1.0, help="sampling temperature of rollouts and evaluation")
     add("--grpo-weight", type=float, default=1.0, help="weight of channel grpo when it is on")
@@ -213,9 +214,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--run-id", default=None, help="store prefix of this run (default: a fresh one)")
     add("--replica", default=None, metavar="JOB_JSON", help=argparse.SUPPRESS)  # internal: run one replica
+    add("--agent", action="store_true",
+        help="the agentic job: multi-turn episodes (draft, run_tests, read the result, fix, submit) in a sandboxed "
+             "CodingEnvironment per rollout; its own defaults: 60 steps, 4 episodes per held-out task, 640 tokens "
+             "(main_job.agent)")  # fmt: skip
     opts = parser.parse_args(argv)
     if opts.replica:
         return opts
+    if opts.agent:  # --agent's defaults where a flag is unset, before the job's own (main_job.agent_job)
+        from main_job.agent_job import apply_defaults
+
+        apply_defaults(opts, parser)
+    opts.max_completion_length = opts.max_completion_length if opts.max_completion_length is not None else 12
     tiny = opts.model == "tiny"
     opts.steps = opts.steps if opts.steps is not None else (4 if opts.quick else 300)
     opts.sync_every = opts.sync_every if opts.sync_every is not None else (2 if opts.quick else 10)
@@ -359,6 +369,17 @@ def main(argv: Sequence[str] | None = None) -> Any:
         from main_job.replica import run_replica
 
         return run_replica(Path(opts.replica))
+    if opts.agent:  # --agent: the agentic job (main_job.agent_job)
+        from main_job.agent_job import run_agent_job
+
+        return run_agent_job(
+            opts,
+            pinned=pinned,
+            launch=launch_replicas,
+            sandbox=describe_sandbox(),
+            isolation=sandbox_isolation(),
+            command=redacted_command(argv if argv is not None else sys.argv[1:]),
+        )
 
     import torch
     from main_job.evaluate import Change, evaluate

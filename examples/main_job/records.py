@@ -83,6 +83,7 @@ class JobSpec:
     seed: int
     threads: int
     device: str
+    agent: bool = False  # --agent: multi-turn episodes in a CodingEnvironment (main_job.agent)
 
     def __post_init__(self) -> None:
         if sorted(self.weights) != sorted(CHANNELS):

@@ -98,6 +98,10 @@ def build_trainer(spec: JobSpec, rank: int, model: Any, tokenizer: Any, reward: 
         "disable_tqdm": True,
         "seed": spec.seed + 101 * rank,  # each replica samples its own rollouts
     }
+    if spec.agent:  # --agent: a CodingEnvironment per rollout, no reward function (main_job.agent)
+        from main_job.agent import agent_trainer
+
+        return agent_trainer(spec, common, model, tokenizer, dataset)
     kwargs = {"model": model, "reward_funcs": reward, "train_dataset": dataset, "processing_class": tokenizer}
     if spec.trainer == "trl-grpo":
         from trl import GRPOConfig, GRPOTrainer
@@ -167,6 +171,10 @@ def run_replica(job: Path) -> ReplicaReport:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     model, tokenizer = load_policy(Path(spec.model_dir), spec.device)
     rows = [task.row() for task in load_tasks(Path(spec.train_tasks))]
+    if spec.agent:  # --agent: chat prompts with visible and hidden tests (main_job.agent)
+        from main_job.agent import agent_row
+
+        rows = [agent_row(task) for task in load_tasks(Path(spec.train_tasks))]
     random.Random(spec.seed + 101 * rank).shuffle(rows)  # each replica its own data order
     output = Path(spec.output_dir)
     reward = UnitTestReward(

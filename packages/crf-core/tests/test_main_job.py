@@ -86,6 +86,63 @@ def test_main_job_quick(composer_main: ModuleType, tmp_path: Path, capsys: pytes
         assert dpo[-1] < dpo[0] - 1e-3, (r.rank, dpo)
 
 
+@pytest.mark.timeout(900)
+def test_main_job_agent_quick(composer_main: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--agent --quick``: the agentic job wired end to end (multi-turn DPO pairs and warm-start episodes played in
+    the sandbox, the held-out evaluation through TRL's tool loop, 2 replica processes training on episodes in a
+    `CodingEnvironment` per rollout through DiLoCo, the report with the episodes' section), and a cheap learning
+    signal: the warm start learns the tool format, and the multi-turn DPO loss starts at ln 2 and falls."""
+    from main_job.agent_job import QUICK
+
+    outcome = composer_main.main(["--agent", "--quick", "--output-dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    steps, sync_every = QUICK["steps"], QUICK["sync_every"]
+    assert len(outcome.replicas) == 2
+    for r in outcome.replicas:
+        assert len(r.history) == steps
+        for channel in CHANNELS:
+            values = [row.losses.get(channel) for row in r.history]
+            assert all(v is not None and math.isfinite(v) for v in values), (r.rank, channel, values)
+        assert r.rounds_committed == steps // sync_every
+    assert outcome.identical_weights
+    assert len(outcome.before.per_task) == 88
+    assert len(outcome.hard) == 28
+    assert "crf main job, agentic (--agent)" in printed
+    assert re.search(r"trace-replay DPO: \d+ multi-turn pairs", printed)
+    assert "held-out pass rate before RL: " in printed
+    assert "[replica 1] step" in printed
+    assert re.search(r"change [+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]", printed)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["agent"] is True
+    for when in ("before", "after"):
+        assert set(result["episodes"][when]) == {"all", "easy", "hard"}
+        stats = result["episodes"][when]["all"]
+        assert set(stats) == {"tool_calls", "submitted", "failed_drafts", "repair", "pass_rate"}
+        assert stats["pass_rate"] == pytest.approx(result[when])
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Episodes (held-out tasks)" in summary
+    assert "failing drafts fixed" in summary
+    job = json.loads((tmp_path / "job.json").read_text())
+    assert job["agent"] is True
+    assert Path(job["train_tasks"]).name == "tasks_train.jsonl"
+    assert "heldout" not in json.dumps(job)
+    pairs = (tmp_path / "agent_pairs.jsonl").read_text().splitlines()
+    assert pairs
+    assert all('"tool_calls"' in line for line in pairs)
+    # The learning signal (runs are deterministic for a seed): the warm start takes the policy from a uniform guess
+    # over the 101 characters (ln 101 = 4.615 per token) to well under half of it on the tool-call format, and the
+    # DPO loss on multi-turn pairs starts at ln 2 (the policy is its own reference) and falls on every replica.
+    warm = re.search(r"^warm start: .*, loss (\d+\.\d+) -> (\d+\.\d+)$", printed, re.MULTILINE)
+    assert warm is not None
+    first, last = float(warm.group(1)), float(warm.group(2))
+    assert first == pytest.approx(math.log(101), abs=0.1)
+    assert last < 0.5 * first, (first, last)
+    for r in outcome.replicas:
+        dpo = [row.losses["trace_replay_dpo"] for row in r.history]
+        assert dpo[0] == pytest.approx(math.log(2), abs=1e-3), (r.rank, dpo)
+        assert dpo[-1] < dpo[0] - 1e-3, (r.rank, dpo)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_main_job_full(composer_main: ModuleType, tmp_path: Path) -> None:

@@ -284,3 +284,102 @@ def test_warm_start_feedback_is_the_sandboxs_account_of_wrong_attempts(tasks: Mo
         assert example.prompt == task.prompt
         assert len(example.feedback) <= FEEDBACK_CHARS
         assert example.attempt != task.solution
+
+
+# --------------------------------------------------------------------------- --agent
+def test_agent_flag_sets_its_defaults_and_refuses_what_it_cannot_run(composer_main: ModuleType, tmp_path: Path) -> None:
+    """``--agent`` fills its own defaults only where a flag is unset (``--quick`` its quick ones), leaves the default
+    job as it was, refuses a trainer or model it cannot run, and reaches the replicas through ``JobSpec.agent``."""
+    from main_job.agent_job import DEFAULTS, QUICK
+    from main_job.records import JobSpec, read_record, write_record
+
+    main = composer_main
+    plain = main.parse_args([])
+    assert not plain.agent
+    assert (plain.steps, plain.max_completion_length, plain.eval_samples, plain.warmup_steps) == (300, 12, 16, 400)
+    opts = main.parse_args(["--agent"])
+    assert opts.agent
+    assert {name: getattr(opts, name) for name in DEFAULTS} == DEFAULTS
+    assert opts.steps % opts.sync_every == 0
+    quick = main.parse_args(["--agent", "--quick"])
+    assert {name: getattr(quick, name) for name in QUICK} == QUICK
+    mine = main.parse_args(["--agent", "--steps", "20", "--max-completion-length", "512", "--eval-samples", "2"])
+    assert (mine.steps, mine.max_completion_length, mine.eval_samples) == (20, 512, 2)
+    assert mine.sync_every == DEFAULTS["sync_every"]
+    for argv in (
+        ["--agent", "--trainer", "trl-grpo"],
+        ["--agent", "--model", "smollm2-135m"],
+        ["--agent", "--steps", "15"],  # not a multiple of the agent's --sync-every 10
+        ["--agent", "--max-completion-length", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            main.parse_args(argv)
+    assert JobSpec(**SPEC).agent is False  # a job.json without the flag is the single-completion job
+    path = tmp_path / "job.json"
+    write_record(JobSpec(**{**SPEC, "agent": True}), path)
+    assert read_record(JobSpec, path).agent is True
+
+
+def test_agent_warm_start_and_pairs_are_played_in_the_sandbox_on_train_tasks_only(tasks: ModuleType) -> None:
+    """The agent's warm-start episodes and DPO pairs (``main_job.agent``): played in a `CodingEnvironment`, so every
+    tool result is the environment's own; rendered in the tiny tool format with only the assistant turns trained;
+    built from train tasks and drills only, and `check_unseen` holds over every text they contain."""
+    pytest.importorskip("transformers", reason="the tool-call format is a tokenizer's chat template ([train] extra)")
+    pytest.importorskip("crf_replaysim", reason="the pairs are crf-replaysim records")
+    import tempfile
+
+    from main_job import agent
+
+    from crf_core.trainer.conversation import render_conversation
+    from crf_core.trainer.pair_files import read_pair_file
+    from crf_core.trainer.tiny_model import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(tool_calling=True)
+    config = agent.env_config(tokenizer, isolation="rlimits", timeout_s=10.0)
+    train = tasks.load_tasks(tasks.DATA / "tasks_train.jsonl")
+    heldout = tasks.load_tasks(tasks.DATA / "tasks_heldout.jsonl")
+    easy = [t for t in train if not t.hard][:2]
+    drills = tasks.build_drills()[::60]  # one drill of several templates
+    episodes = agent.warm_start_episodes(easy, drills, config=config, seed=0)
+    texts = {json.dumps(e) for e in episodes}
+    assert all(t.name not in text for t in train if t.hard for text in texts)
+    schemas = agent.tool_schemas()
+    kinds = set()
+    for context, response in episodes:
+        rendered = render_conversation(tokenizer, context, response, tools=schemas)
+        trained = tokenizer.decode([i for i, m in zip(rendered.input_ids, rendered.trained, strict=True) if m])
+        whole = tokenizer.decode(rendered.input_ids)
+        assert whole.startswith("@tools:run_python,run_tests,submit\n@U:")
+        assert trained.endswith("</call><eos><eos>")  # the submit call, then the policy stops
+        assert "@T:" not in trained  # tool results are context, never trained
+        if "failed" in whole and "# An earlier draft failed" not in whole:
+            kinds.add("repair")
+            assert trained.startswith('<call>{"name": "submit"')  # the failing draft is context, the fix trained
+        elif "# An earlier draft failed" in whole:
+            kinds.add("reading feedback")
+        elif "# A correct episode" in whole:
+            kinds.add("reading a demonstration")
+        else:
+            kinds.add("pass first time")
+            assert "@T:All 2 tests passed.\n" in whole
+    assert kinds == {"repair", "reading feedback", "reading a demonstration", "pass first time"}
+    with tempfile.TemporaryDirectory() as folder:
+        traces = Path(folder) / "traces.jsonl"
+        shipped = (tasks.DATA / "traces.jsonl").read_text().splitlines()
+        traces.write_text("\n".join(shipped[:3] + shipped[-3:]) + "\n")  # easy and hard recorded tasks
+        path, played = agent.write_agent_pairs(Path(folder) / "pairs.jsonl", train, traces, config=config)
+        records = read_pair_file(path, strict=True)
+        pair_lines = path.read_text().splitlines()
+    assert len(records) == 6
+    record = records[0]
+    assert [m["role"] for m in record["chosen_messages"]] == ["assistant", "tool", "assistant", "tool"]
+    assert [m["role"] for m in record["rejected_messages"]] == ["assistant", "tool"]
+    assert "tests failed" in record["chosen_messages"][1]["content"]
+    assert [t["function"]["name"] for t in record["tools"]] == ["run_python", "run_tests", "submit"]
+    tasks.check_unseen(
+        heldout,
+        {
+            "agent warm-start episodes": list(agent.episode_texts(episodes)),
+            "agent DPO pairs": [*agent.episode_texts(played), *pair_lines],
+        },
+    )
