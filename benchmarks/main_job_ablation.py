@@ -10,10 +10,11 @@ What is measured
     interval (task as the unit, paired).
 
     The arms: crf's composed recipe (GRPO + SDPO with the sandbox's feedback + trace-replay DPO), GRPO alone,
-    GRPO + SDPO, GRPO + DPO, GRPO + SDPO with the paper's divergence (generalised JSD on the student's top 20, EMA
-    teacher) instead of the job's (forward KL on the full vocabulary, frozen teacher), the composed recipe with
-    SRPO's routing and with SC-SDPO's weights, and the peers at the same budget: TRL's ``GRPOTrainer`` and
-    ``trl.experimental.sdpo.SDPOTrainer`` (``--trainer``; TRL's SDPO gets the job's SDPO settings).
+    GRPO + SDPO, GRPO + DPO, GRPO + SDPO as forward KL on the full vocabulary with a frozen teacher instead of the
+    paper's divergence (generalised JSD on the student's top 20, EMA teacher), the composed recipe with SRPO's
+    routing, with SDPO on failed rollouts only and with SC-SDPO's weights, and the peers at the same budget: TRL's
+    ``GRPOTrainer`` and ``trl.experimental.sdpo.SDPOTrainer`` (``--trainer``; TRL's SDPO gets the job's SDPO
+    settings).
 
 Printed
     One row per arm: each seed's change [interval], the mean change over seeds and its spread (the sample standard
@@ -46,18 +47,20 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSED = ["--channels", "grpo,sdpo_jsd,trace_replay_dpo"]
-PAPER_SDPO = ["--sdpo-alpha", "0.5", "--sdpo-top-k", "20", "--sdpo-teacher-update-rate", "0.05"]
-"""SDPO as its reference runs configure it (the job's own SDPO is forward KL with a frozen teacher; docs/guide.md)."""
+FKL_SDPO = ["--sdpo-alpha", "0", "--sdpo-top-k", "0", "--sdpo-teacher-update-rate", "0"]
+"""SDPO as forward KL on the full vocabulary with the warm-started policy, frozen, as teacher (the job's own SDPO is
+the paper's: generalised JSD on the student's top 20 with an EMA teacher; docs/guide.md)."""
 ARMS: dict[str, tuple[str, list[str]]] = {
     "composed": ("crf composed (GRPO + SDPO + DPO)", COMPOSED),
     "grpo": ("crf GRPO alone", ["--channels", "grpo"]),
     "grpo+sdpo": ("crf GRPO + SDPO", ["--channels", "grpo,sdpo_jsd"]),
     "grpo+dpo": ("crf GRPO + trace-replay DPO", ["--channels", "grpo,trace_replay_dpo"]),
-    "grpo+sdpo-paper": (
-        "crf GRPO + SDPO, the paper's divergence (JSD, top-20, EMA teacher)",
-        ["--channels", "grpo,sdpo_jsd", *PAPER_SDPO],
+    "grpo+sdpo-fkl": (
+        "crf GRPO + SDPO, forward KL, full vocabulary, frozen teacher",
+        ["--channels", "grpo,sdpo_jsd", *FKL_SDPO],
     ),
     "composed+srpo": ("crf composed, SRPO routing", [*COMPOSED, "--sdpo-routing", "srpo"]),
+    "composed+failures": ("crf composed, SDPO on failed rollouts", [*COMPOSED, "--sdpo-routing", "failures"]),
     "composed+sc": ("crf composed, SC-SDPO weights", [*COMPOSED, "--sdpo-group-weight", "success_variance"]),
     "trl-grpo": ("TRL GRPOTrainer", ["--trainer", "trl-grpo"]),
     "trl-sdpo": ("TRL SDPOTrainer", ["--trainer", "trl-sdpo"]),

@@ -174,19 +174,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--dpo-weight", type=float, default=0.2, help="weight of channel trace_replay_dpo when it is on")
     add("--sdpo-feedback", action=argparse.BooleanOptionalAction, default=True,
         help="let SDPO's teacher read the sandbox's feedback (the tiny model learns to read it in its warm start)")  # fmt: skip
-    add("--sdpo-alpha", type=_unit, default=0.0,
-        help="SDPO's generalised-JSD alpha: 0 forward KL (the job's choice: the only one whose gradient reaches a "
-             "token the student never writes; docs/guide.md), 1 reverse KL, 0.5 the paper's JSD")  # fmt: skip
-    add("--sdpo-top-k", type=_top_k, default=0,
-        help="SDPO distils on the student's top-k tokens plus a tail bucket; 0: the full vocabulary (the chunked "
-             "head makes it cheap)")  # fmt: skip
+    add("--sdpo-alpha", type=_unit, default=0.5,
+        help="SDPO's generalised-JSD alpha: 0 forward KL, 1 reverse KL, 0.5 the paper's JSD (the job's choice: "
+             "forward KL with a frozen teacher trained less on every seed; docs/guide.md)")  # fmt: skip
+    add("--sdpo-top-k", type=_top_k, default=20,
+        help="SDPO distils on the student's top-k tokens plus a tail bucket (the paper's 20); 0: the full "
+             "vocabulary")  # fmt: skip
     add("--sdpo-truncate-below", type=_probability, default=None,
         help="first-error truncation: SDPO trains each rollout up to its first token the teacher gives less than this "
              "probability, and on nothing after it (crf; off by default)")  # fmt: skip
-    add("--sdpo-teacher-update-rate", type=_unit, default=0.0,
-        help="EMA rate of SDPO's self-teacher after each step: 0 (the job's choice) keeps the warm-started policy, "
-             "frozen (TRL's teacher_model_kind='base'; an EMA teacher feeds forward KL's spread back to the student); "
-             "0.05 is SDPO's EMA; 1 the live policy")  # fmt: skip
+    add("--sdpo-teacher-update-rate", type=_unit, default=0.05,
+        help="EMA rate of SDPO's self-teacher after each step: 0.05 SDPO's EMA (the job's choice); 0 keeps the "
+             "warm-started policy, frozen (TRL's teacher_model_kind='base'); 1 the live policy")  # fmt: skip
     add("--sdpo-routing", choices=("all", "srpo", "failures"), default="all",
         help="srpo: successful rollouts train through GRPO only, failed ones through SDPO only (arXiv 2604.02288); "
              "failures: SDPO on failed rollouts only, GRPO on all")  # fmt: skip

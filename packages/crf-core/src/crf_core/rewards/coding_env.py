@@ -270,6 +270,16 @@ def _bounded(text: str, limit: int) -> str:
     return (head[:line_end] if line_end > limit // 2 else head) + _CUT
 
 
+class _class_only(classmethod):  # type: ignore[type-arg]  # noqa: N801 (a decorator)
+    """A classmethod an instance does not show: TRL <= 1.14 offers every bound method of the environment instance
+    to the policy as a tool (1.16 lists the class's functions), and ``factory`` is no tool."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is not None:
+            raise AttributeError("factory is called on the class: CodingEnvironment.factory(...)")
+        return super().__get__(None, owner)
+
+
 class CodingEnvironment:
     """A coding task for one rollout: tools ``run_python``, ``run_tests`` and ``submit`` (see the module docstring).
 
@@ -300,7 +310,7 @@ class CodingEnvironment:
         self._submission: str | None = None
         self._outcome: TestOutcome | None = None
 
-    @classmethod
+    @_class_only
     def factory(cls, config: CodingEnvConfig | None = None, **settings: Any) -> Callable[[], CodingEnvironment]:
         """A zero-argument factory for ``environment_factory``: ``config`` or ``CodingEnvConfig(**settings)``,
         validated (and the isolation checked) once, now."""
