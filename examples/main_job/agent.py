@@ -161,7 +161,7 @@ def tool_schemas() -> list[dict[str, Any]]:
 
 def build_agent_policy(seed: int) -> tuple[Any, Any]:
     """The job's tiny Llama (2 layers, hidden 64) with the character tokenizer's tool-calling format."""
-    from crf_core.trainer.tiny_model import build_char_tokenizer, build_tiny_causal_lm
+    from crf_core._testing.tiny_model import build_char_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_char_tokenizer(tool_calling=True)
     model = build_tiny_causal_lm(
