@@ -330,9 +330,9 @@ def test_agent_warm_start_and_pairs_are_played_in_the_sandbox_on_train_tasks_onl
 
     from main_job import agent
 
+    from crf_core._testing.tiny_model import build_char_tokenizer
     from crf_core.trainer.conversation import render_conversation
     from crf_core.trainer.pair_files import read_pair_file
-    from crf_core._testing.tiny_model import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(tool_calling=True)
     config = agent.env_config(tokenizer, isolation="rlimits", timeout_s=10.0)

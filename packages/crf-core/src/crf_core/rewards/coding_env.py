@@ -29,6 +29,7 @@ returned when it found failures; ``ComposerReplicationTrainer`` puts it in the s
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -270,14 +271,17 @@ def _bounded(text: str, limit: int) -> str:
     return (head[:line_end] if line_end > limit // 2 else head) + _CUT
 
 
-class _class_only(classmethod):  # type: ignore[type-arg]  # noqa: N801 (a decorator)
+class _ClassOnly:
     """A classmethod an instance does not show: TRL <= 1.14 offers every bound method of the environment instance
     to the policy as a tool (1.16 lists the class's functions), and ``factory`` is no tool."""
 
-    def __get__(self, instance: object, owner: type | None = None) -> Any:
+    def __init__(self, function: Callable[..., Callable[[], CodingEnvironment]]) -> None:
+        self._function = function
+
+    def __get__(self, instance: object, owner: type) -> Callable[..., Callable[[], CodingEnvironment]]:
         if instance is not None:
             raise AttributeError("factory is called on the class: CodingEnvironment.factory(...)")
-        return super().__get__(None, owner)
+        return functools.partial(self._function, owner)
 
 
 class CodingEnvironment:
@@ -310,8 +314,10 @@ class CodingEnvironment:
         self._submission: str | None = None
         self._outcome: TestOutcome | None = None
 
-    @_class_only
-    def factory(cls, config: CodingEnvConfig | None = None, **settings: Any) -> Callable[[], CodingEnvironment]:
+    @_ClassOnly
+    def factory(
+        cls: type[CodingEnvironment], config: CodingEnvConfig | None = None, **settings: Any
+    ) -> Callable[[], CodingEnvironment]:
         """A zero-argument factory for ``environment_factory``: ``config`` or ``CodingEnvConfig(**settings)``,
         validated (and the isolation checked) once, now."""
         if config is not None and settings:
