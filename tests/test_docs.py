@@ -90,3 +90,18 @@ def test_guide_ablation_table_is_what_the_ablation_script_wrote() -> None:
     assert block == ablation.table(record).strip()
     for arm, runs in record["runs"].items():
         assert {r["seed"] for r in runs} <= set(record["seeds"]), arm
+
+
+def test_guide_sample_output_is_the_ablation_composed_seed_0_run() -> None:
+    """The guide's sample output of the default run (seed 0) prints the held-out figures `docs/ablation.json` holds
+    for the composed recipe on seed 0: a rerun of the job on new code cannot leave the sample stale."""
+    import json
+
+    record = json.loads((ROOT / "docs" / "ablation.json").read_text(encoding="utf-8"))
+    run = next(r for r in record["runs"]["composed"] if r["seed"] == 0)
+    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    for subset, change in (("all ", run["change"]), ("hard", run["subsets"]["hard"]["change"])):
+        line = re.search(rf"^  {subset} \(\d+ tasks\): before RL ([\d.]+) .* change ([+-][\d.]+) ", guide, re.M)
+        assert line is not None, f"the guide's sample output has no '{subset.strip()}' line"
+        before = run["before"] if subset == "all " else run["subsets"]["hard"]["before"]
+        assert (line[1], line[2]) == (f"{before:.3f}", f"{change:+.3f}"), (subset, line[0])

@@ -361,7 +361,7 @@ def test_agent_warm_start_and_pairs_are_played_in_the_sandbox_on_train_tasks_onl
             kinds.add("reading a demonstration")
         else:
             kinds.add("pass first time")
-            assert "@T:All 2 tests passed.\n" in whole
+            assert "@T:All 1 tests passed.\n" in whole  # run_tests judges the one visible test
     assert kinds == {"repair", "reading feedback", "reading a demonstration", "pass first time"}
     with tempfile.TemporaryDirectory() as folder:
         traces = Path(folder) / "traces.jsonl"
