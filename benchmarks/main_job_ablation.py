@@ -20,7 +20,9 @@ Printed
     One row per arm: each seed's change [interval], the mean change over seeds and its spread (the sample standard
     deviation over seeds), the hard subset's mean change, whether the arm beat crf's GRPO alone on every seed, the
     mean wall time, the mean CPU time (the run's processes, replicas and sandboxes included, from ``wait4``) and its
-    ratio to crf GRPO alone's, and the RATIO of the arm's mean change to crf GRPO alone's. Also the load average.
+    ratio to crf GRPO alone's, and the arm's mean change minus crf GRPO alone's over the same seeds with their
+    ratio (none where GRPO alone's mean gain is below ``RATIO_FLOOR``: a ratio to ~0 says nothing). Also the load
+    average.
     The changes are deterministic per seed (the same numbers on a quiet or a loaded machine, and on any x86-64 CPU:
     the job pins its CPU code paths, ``examples/main_job/numerics.py``); wall times are not, and are comparable only
     between runs made one after the other on the same machine (not with ``--parallel``); CPU times compare arms'
@@ -66,6 +68,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "trl-sdpo": ("TRL SDPOTrainer", ["--trainer", "trl-sdpo"]),
 }
 PEER = "grpo"
+RATIO_FLOOR = 0.01
+"""GRPO alone's mean change below which a ratio to it says nothing (the difference is printed either way)."""
 DOCS_JSON = ROOT / "docs" / "ablation.json"
 GUIDE = ROOT / "docs" / "guide.md"
 START, END = "<!-- ablation:start -->", "<!-- ablation:end -->"
@@ -114,7 +118,7 @@ def table(record: dict[str, Any]) -> str:
     peer = {r["seed"]: r["change"] for r in runs.get(PEER, [])}
     header = "| arm | " + " | ".join(f"seed {s}: change [95% CI]" for s in seeds)
     header += " | mean change (spread) | hard subset: mean change | above GRPO alone on every seed | mean wall s "
-    header += "| mean CPU s (× GRPO alone) | ratio to GRPO alone |"
+    header += "| mean CPU s (× GRPO alone) | mean change − GRPO alone's (ratio) |"
     lines = [header, "|---" * (len(seeds) + 7) + "|"]
     peer_cpu = [r["cpu_s"] for r in runs.get(PEER, []) if "cpu_s" in r]
     for arm, rows in runs.items():
@@ -129,9 +133,13 @@ def table(record: dict[str, Any]) -> str:
         )
         if len(rows) < len(seeds) and above != "—":
             above += f" (seed{'s' if len(rows) > 1 else ''} {', '.join(str(r['seed']) for r in rows)} only)"
-        # the ratio compares like with like: GRPO alone's mean over the seeds this arm ran
+        # like with like: GRPO alone's mean over the seeds this arm ran; a ratio only where that mean is a gain
         same = [peer[r["seed"]] for r in rows if r["seed"] in peer]
-        ratio = mean / statistics.mean(same) if same and len(same) == len(rows) else float("nan")
+        versus = "—"
+        if arm != PEER and same and len(same) == len(rows):
+            base = statistics.mean(same)
+            ratio = f"{mean / base:.2f}×" if base >= RATIO_FLOOR else f"no ratio: GRPO alone {base:+.3f}"
+            versus = f"{mean - base:+.3f} ({ratio})"
         cells = [_cell(by_seed[s]["change"], by_seed[s]["change_interval"]) if s in by_seed else "—" for s in seeds]
         cpu = "—"
         if all("cpu_s" in r for r in rows):
@@ -140,7 +148,7 @@ def table(record: dict[str, Any]) -> str:
                 cpu += f" ({statistics.mean(r['cpu_s'] for r in rows) / statistics.mean(peer_cpu):.2f}×)"
         lines.append(
             f"| {ARMS[arm][0] if arm in ARMS else arm} | " + " | ".join(cells) + f" | {mean:+.3f} ({spread}) | "
-            f"{hard:+.3f} | {above} | {statistics.mean(r['wall_s'] for r in rows):.0f} | {cpu} | {ratio:.2f} |"
+            f"{hard:+.3f} | {above} | {statistics.mean(r['wall_s'] for r in rows):.0f} | {cpu} | {versus} |"
         )
     befores = ", ".join(
         f"seed {r['seed']} {r['before']:.3f} (hard {r['subsets']['hard']['before']:.3f})"
