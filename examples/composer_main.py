@@ -176,7 +176,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="let SDPO's teacher read the sandbox's feedback (the tiny model learns to read it in its warm start)")  # fmt: skip
     add("--sdpo-alpha", type=_unit, default=0.5,
         help="SDPO's generalised-JSD alpha: 0 forward KL, 1 reverse KL, 0.5 the paper's JSD (the job's choice: "
-             "forward KL with a frozen teacher trained less on every seed; docs/guide.md)")  # fmt: skip
+             "forward KL with a frozen teacher gained less in the mean over 3 seeds; docs/guide.md)")  # fmt: skip
     add("--sdpo-top-k", type=_top_k, default=20,
         help="SDPO distils on the student's top-k tokens plus a tail bucket (the paper's 20); 0: the full "
              "vocabulary")  # fmt: skip

@@ -29,9 +29,12 @@ DEFAULTS = {
     "warmup_steps": 800,
     "eval_samples": 4,
     "max_completion_length": 640,
+    "lr": 1e-4,
 }
-"""``--agent``'s defaults for the flags the user leaves unset (``--quick``: `QUICK`)."""
-QUICK = {"steps": 2, "sync_every": 1, "warmup_steps": 20, "eval_samples": 1, "max_completion_length": 640}
+"""``--agent``'s defaults for the flags the user leaves unset (``--quick``: `QUICK`). The inner lr is 10× below the
+single-completion job's: a 640-token episode's DPO log-ratio sums over hundreds of tokens, and at 1e-3 one step
+collapsed the agent (held-out 0.352 -> 0.000, docs/guide.md)."""
+QUICK = {"steps": 2, "sync_every": 1, "warmup_steps": 20, "eval_samples": 1, "max_completion_length": 640, "lr": 1e-4}
 DRILLS_PER_TEMPLATE = 16
 """Feedback drills per template in the warm start (of `tasks.build_drills`' 40): enough to teach reading, and each
 costs the warm start's set-up four sandbox runs."""
