@@ -194,38 +194,7 @@ def run_agent_job(
     phase("evaluation before")
 
     job = output / "job.json"
-    spec = JobSpec(
-        output_dir=str(output),
-        model_dir=str(output / "warm_start"),
-        train_tasks=str(DATA / "tasks_train.jsonl"),
-        pairs=str(pairs),
-        steps=opts.steps,
-        sync_every=opts.sync_every,
-        prompts_per_step=opts.prompts_per_step,
-        generations=opts.generations,
-        max_completion_length=opts.max_completion_length,
-        lr=opts.lr,
-        temperature=opts.temperature,
-        weights=opts.weights,
-        sdpo_feedback=opts.sdpo_feedback,
-        sdpo_alpha=opts.sdpo_alpha,
-        sdpo_top_k=opts.sdpo_top_k or None,
-        sdpo_truncate_below=opts.sdpo_truncate_below,
-        sdpo_teacher_update_rate=opts.sdpo_teacher_update_rate,
-        sdpo_routing=opts.sdpo_routing,
-        sdpo_group_weight=opts.sdpo_group_weight,
-        trainer=opts.trainer,
-        outer_lr=opts.outer_lr,
-        outer_momentum=opts.outer_momentum,
-        sync_timeout=opts.sync_timeout,
-        codec=opts.codec,
-        isolation=isolation,
-        sandbox_timeout=opts.sandbox_timeout,
-        seed=opts.seed,
-        threads=max(1, (os.cpu_count() or 1) // opts.replicas),
-        device=opts.device,
-        agent=True,
-    )
+    spec = JobSpec.from_options(opts, output=output, pairs=pairs, isolation=isolation, agent=True)
     write_record(spec, job)
     replicas = launch(opts, job, store)
     phase("RL")

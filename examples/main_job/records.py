@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from main_job.tasks import DATA
+
 __all__ = [
     "CHANNELS",
     "STORAGE_OPTIONS_ENV",
@@ -84,6 +86,42 @@ class JobSpec:
     threads: int
     device: str
     agent: bool = False  # --agent: multi-turn episodes in a CodingEnvironment (main_job.agent)
+
+    @classmethod
+    def from_options(cls, opts: Any, *, output: Path, pairs: Path, isolation: str, agent: bool = False) -> JobSpec:
+        """What the replicas are told, from the job's parsed flags (``composer_main.parse_args``)."""
+        return cls(
+            output_dir=str(output),
+            model_dir=str(output / "warm_start"),
+            train_tasks=str(DATA / "tasks_train.jsonl"),
+            pairs=str(pairs),
+            steps=opts.steps,
+            sync_every=opts.sync_every,
+            prompts_per_step=opts.prompts_per_step,
+            generations=opts.generations,
+            max_completion_length=opts.max_completion_length,
+            lr=opts.lr,
+            temperature=opts.temperature,
+            weights=opts.weights,
+            sdpo_feedback=opts.sdpo_feedback,
+            sdpo_alpha=opts.sdpo_alpha,
+            sdpo_top_k=opts.sdpo_top_k or None,
+            sdpo_truncate_below=opts.sdpo_truncate_below,
+            sdpo_teacher_update_rate=opts.sdpo_teacher_update_rate,
+            sdpo_routing=opts.sdpo_routing,
+            sdpo_group_weight=opts.sdpo_group_weight,
+            trainer=opts.trainer,
+            outer_lr=opts.outer_lr,
+            outer_momentum=opts.outer_momentum,
+            sync_timeout=opts.sync_timeout,
+            codec=opts.codec,
+            isolation=isolation,
+            sandbox_timeout=opts.sandbox_timeout,
+            seed=opts.seed,
+            threads=max(1, (os.cpu_count() or 1) // opts.replicas),
+            device=opts.device,
+            agent=agent,
+        )
 
     def __post_init__(self) -> None:
         if sorted(self.weights) != sorted(CHANNELS):

@@ -109,7 +109,7 @@ READ_SECRETS = """
 import os, glob
 print(dict(os.environ))
 for path in ["SECRET_FILE", "/proc/1/environ", "/proc/self/environ", f"/proc/{os.getppid()}/environ",
-             "HOST_HOME/.ssh/id_rsa", "HOST_HOME/.netrc", "/etc/shadow", "/root/.bashrc"] + glob.glob("/proc/*/environ"):
+             "HOST_HOME/.ssh/id_rsa", "HOST_HOME/.netrc", "/etc/shadow", "HOST_HOME/.bashrc"] + glob.glob("/proc/*/environ"):
     try:
         print(path, open(path, "rb").read()[:200])
     except OSError as exc:
