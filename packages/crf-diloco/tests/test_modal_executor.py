@@ -97,12 +97,20 @@ class Preempted(BaseException):
 
 
 class ThreadCall:
-    """A spawned call running the real function body on a thread; ``get``/``cancel`` as ``modal.FunctionCall``."""
+    """A spawned call running the real function body on a thread; ``get``/``cancel`` as ``modal.FunctionCall``.
+
+    A cancel raises ``InputCancellation`` inside the body, as Modal does in a container. One that arrives before
+    the thread has entered the body (a launch cancelled at once) is held and raised there, never into the thread's
+    start-up code, where it would kill the thread without an outcome.
+    """
 
     def __init__(self, function: Any, args: tuple[Any, ...], index: int) -> None:
         self.object_id = f"fc-thread{index}"
         self.cancelled_with: bool | None = None
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._in_body = False
+        self._held: type[BaseException] | None = None
         self._value: Any = None
         self._error: BaseException | None = None
         self._function, self._args = function, args
@@ -115,12 +123,24 @@ class ThreadCall:
 
     def _run(self) -> None:
         try:
-            self._value = self._function.local(*self._args)
+            self._value = self._body()
         except Preempted:
             return  # Modal reschedules the input: `preempt` starts the next attempt
         except BaseException as exc:
             self._error = exc
         self._done.set()
+
+    def _body(self) -> Any:
+        with self._lock:
+            held, self._held = self._held, None
+            if held is not None:
+                raise held
+            self._in_body = True
+        try:
+            return self._function.local(*self._args)
+        finally:
+            with self._lock:
+                self._in_body = False
 
     def get(self, timeout: float | None = None) -> Any:
         if not self._done.wait(timeout):
@@ -132,7 +152,13 @@ class ThreadCall:
         return self._value
 
     def _raise_in_thread(self, exc: type[BaseException]) -> None:
-        if not self._done.is_set() and self._thread.ident is not None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            if not self._in_body:
+                self._held = exc  # raised when the body starts
+                return
+            assert self._thread.ident is not None
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread.ident), ctypes.py_object(exc))
 
     def cancel(self, terminate_containers: bool = False) -> None:
