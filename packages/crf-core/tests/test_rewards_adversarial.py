@@ -300,7 +300,7 @@ def _exploit_contained(name: str, reward: UnitTestReward) -> None:
     logged: dict[str, list[object]] = {}
     start = time.monotonic()
     scores = reward([""], [program], tests=[tests], log_extra=lambda k, v: logged.update({k: v}))
-    assert time.monotonic() - start < reward.timeout_s + 5.0
+    assert time.monotonic() - start < reward.timeout_s + 30.0  # the exploits run for an hour or forever otherwise
     assert scores == [expected], logged["feedback"]
     assert all(0.0 <= s <= 1.0 for s in scores)
     (feedback,) = logged["feedback"]

@@ -294,7 +294,7 @@ def test_a_dripping_server_is_cut_at_the_deadline(teacher_server, make_client, c
     start = time.monotonic()
     with pytest.raises(TeacherRetriesExhausted, match=r"no reply within timeout_s=0\.6"):
         complete(make_client(timeout_s=0.6, max_retries=0))
-    assert time.monotonic() - start < 2.0  # 250 bytes x 0.05 s would be 12.5 s
+    assert time.monotonic() - start < 8.0  # cut at 0.6 s; reading it all would take 250 bytes x 0.05 s = 12.5 s
     assert len(teacher_server.requests) == 1  # the dripping reply was the one served
     assert not teacher_server.script
     contained()
@@ -306,7 +306,7 @@ def test_a_never_ending_reply_stops_at_the_cap_or_the_deadline(teacher_server, m
     start = time.monotonic()
     with pytest.raises(error):
         complete(make_client(timeout_s=1.0, max_retries=0, max_response_bytes=cap))
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 30.0  # the reply never ends: any bound proves the stop (margin for load)
     assert len(teacher_server.requests) == 1  # too large is not retried
     contained()
 
@@ -374,7 +374,7 @@ def test_a_429_storm_fails_each_point_boundedly_and_the_run_finishes(
     out = tmp_path / "p.jsonl"
     start = time.monotonic()
     assert main(replay_cli(teacher_server, traces, out, "--max-retries", "2", "--strict")) == 3
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60  # the storm never stops: any bound proves each point gave up
     err = capsys.readouterr().err
     assert "failed points:    8" in err
     assert "HTTP 429" in err

@@ -139,7 +139,7 @@ def test_retry_after_above_limit_fails_without_waiting(teacher_server, make_clie
     start = time.monotonic()
     with pytest.raises(TeacherHTTPError, match="asks to wait 3600 s, above max_retry_after_s=300"):
         complete(make_client())
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 60  # far below the 3600 s asked for: it did not wait (margin for a loaded CI)
     assert len(teacher_server.requests) == 1  # the 503 was served, and not asked again
     assert not teacher_server.script
 
@@ -175,12 +175,13 @@ def test_4xx_is_not_retried_and_names_the_fix(teacher_server, make_client):
 
 
 def test_slow_reply_past_timeout_is_retried(teacher_server, make_client):
-    teacher_server.script.append({"sleep": 3.0, "message": {"role": "assistant", "content": "too late"}})
+    # the slow reply would come after 60 s (the server's wait ends when it stops, so a pass costs nothing)
+    teacher_server.script.append({"sleep": 60.0, "message": {"role": "assistant", "content": "too late"}})
     start = time.monotonic()
     reply = complete(make_client(timeout_s=0.3))
     assert reply.message["content"] == "teacher action after 2 messages"
     assert len(teacher_server.requests) == 2
-    assert time.monotonic() - start < 2.5
+    assert time.monotonic() - start < 30  # it gave up on the slow one at timeout_s, not after its 60 s
 
 
 def test_timeouts_exhaust_retries(teacher_server, make_client):
