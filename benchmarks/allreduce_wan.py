@@ -73,6 +73,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(replicas' CPUs, simulated servers' CPUs). With ``pin``, moto's server and the proxy, which stand in for a
+    remote bucket and network, get the last CPU of this process's set and the replicas the others, so the servers'
+    work does not take CPU from the replicas as it would not on a real WAN; without it (None, None) all share all."""
+    if not pin:
+        return None, None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"--pin needs at least 2 CPUs; this process may use {len(cores)}")
+    return set(cores[:-1]), {cores[-1]}
+
+
+def pin_to(cores: set[int] | None) -> None:
+    """Run this thread, and the threads and processes it starts from now on, on ``cores`` (None: leave as is)."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+
+
+def placement(replica_cores: set[int] | None, server_cores: set[int] | None) -> str:
+    """Where the processes ran, for the header."""
+    if replica_cores is None or server_cores is None:
+        return "replicas, moto and the proxy share every CPU"
+    return f"moto and the proxy pinned to CPU {sorted(server_cores)}, the replicas to CPUs {sorted(replica_cores)}"
+
+
 # -- the proxy, in its own process ------------------------------------------------------------------------------
 def _proxy_process(upstream_port: int, links: int, link: dict[str, Any], lifetime: float, conn: Any) -> None:
     sys.path.insert(0, str(TEST_SUPPORT))
@@ -90,7 +115,10 @@ def _proxy_process(upstream_port: int, links: int, link: dict[str, Any], lifetim
 
 
 # -- replicas ----------------------------------------------------------------------------------------------------
-def _replica(rank: int, world: int, port: int, jobs: list[dict[str, Any]], out: Any, control: Any, ack: Any) -> None:
+def _replica(
+    rank: int, world: int, port: int, jobs: list[dict[str, Any]], out: Any, control: Any, ack: Any, cores: Any
+) -> None:
+    pin_to(cores)
     import torch
     import torch.distributed as dist
 
@@ -149,10 +177,14 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return self.time / self.floor
+        """Round time / floor; NaN without a network to floor against (``--rtt 0 --link none``: then the round time
+        is the protocol's and the simulation's own processing)."""
+        return self.time / self.floor if self.floor > 0 else float("nan")
 
 
-def _run(world: int, args: argparse.Namespace, s3: Any, proxy_ctl: Any, ports: list[int]) -> list[Row]:
+def _run(
+    world: int, args: argparse.Namespace, s3: Any, proxy_ctl: Any, ports: list[int], cores: set[int] | None
+) -> list[Row]:
     ctx = mp.get_context("spawn")
     out, control, ack = ctx.Queue(), ctx.Queue(), ctx.Queue()
     jobs = []
@@ -163,7 +195,7 @@ def _run(world: int, args: argparse.Namespace, s3: Any, proxy_ctl: Any, ports: l
                      "rounds": args.rounds, "uri": f"s3://{s3.bucket}/wan", "run_id": f"w{world}-{codec.replace(':', '-').replace('/', '-')}-{uuid.uuid4().hex[:6]}",
                      "options": options})  # fmt: skip
     port = _free_port()
-    procs = [ctx.Process(target=_replica, args=(r, world, port, jobs, out, control, ack)) for r in range(world)]
+    procs = [ctx.Process(target=_replica, args=(r, world, port, jobs, out, control, ack, cores)) for r in range(world)]
     for p in procs:
         p.start()
     snaps: dict[tuple[str, str], tuple[list[tuple[int, int, int]], float, float]] = {}
@@ -230,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="round trips a new connection pays (default 0: moto's server closes every connection "
                              "after one response, which S3 does not, so a handshake per request would be charged "
                              "that a keep-alive client never pays)")  # fmt: skip
+    parser.add_argument("--pin", action="store_true",
+                        help="moto's server and the proxy on the last CPU, the replicas on the others (cpu_split)")  # fmt: skip
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.replicas.split(",")]
     if args.rounds < 1 or min(worlds) < 2:
@@ -242,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
             "connect_rtts": args.connect_rtts}  # fmt: skip
     rows: list[Row] = []
     ctx = mp.get_context("spawn")
+    replica_cores, server_cores = cpu_split(args.pin)
+    pin_to(server_cores)  # moto's server thread and the proxy process start from here: they inherit it
     with moto_s3_server("crf-diloco-wan") as s3:
         parent, child = ctx.Pipe()
         proxy = ctx.Process(target=_proxy_process, args=(s3.port, max(worlds), link, 3600.0, child))
@@ -249,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             ports = parent.recv()
             for world in worlds:
-                rows.extend(_run(world, args, s3, parent, ports))
+                rows.extend(_run(world, args, s3, parent, ports, replica_cores))
         finally:
             parent.send("stop")
             proxy.join(30)
@@ -259,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
           f"link {args.link or 0:.3g} B/s, per connection {args.per_connection or 0:.3g} B/s, total "
           f"{args.total or 0:.3g} B/s (0: no cap); {args.numel:,} fp32 elements per replica; median of "
           f"{args.rounds} rounds; {os.cpu_count()} CPUs, load average {' '.join(f'{v:.2f}' for v in load_start)} "
-          f"at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end")  # fmt: skip
+          f"at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end; {placement(replica_cores, server_cores)}")  # fmt: skip
     print(f"{'replicas':>8} {'codec':<13} {'MB/round':>9} {'round s':>8} {'floor s':>8} {'ratio':>6} "
           f"{'round trips':>11} {'idle polls':>10} {'requests':>9} {'CPU s':>6} {'servers':>7} {'CPU/round':>9}")  # fmt: skip
     for r in rows:

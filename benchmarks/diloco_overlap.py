@@ -35,12 +35,23 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce_wan import SECRET, TEST_SUPPORT, _free_port, _parse_rate, _parse_seconds, _proxy_process
+from allreduce_wan import (
+    SECRET,
+    TEST_SUPPORT,
+    _free_port,
+    _parse_rate,
+    _parse_seconds,
+    _proxy_process,
+    cpu_split,
+    pin_to,
+    placement,
+)
 
 
 def _replica(
     rank: int, world: int, port: int, args: dict[str, Any], options: dict[str, Any], uri: str, out: Any
 ) -> None:
+    pin_to(args["cores"])
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -113,6 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--slowest", type=int, default=0, help="print the N slowest inner steps of each replica")
     parser.add_argument("--rtt", type=_parse_seconds, default=0.040)
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="moto's server and the proxy (a remote bucket and network on a real WAN) on the last "
+                             "CPU, the replicas on the others, so that the servers' work is not charged to the "
+                             "replicas' inner steps; --no-pin: all share every CPU")  # fmt: skip
     parser.add_argument("--link", type=_parse_rate, default=50e6)
     args = parser.parse_args(argv)
     if not 0 < args.delay < args.period or args.replicas < 2:
@@ -122,10 +137,12 @@ def main(argv: list[str] | None = None) -> None:
 
     load_start = os.getloadavg()
     ctx = mp.get_context("spawn")
+    replica_cores, server_cores = cpu_split(args.pin)
+    pin_to(server_cores)  # moto's server thread and the proxy process start from here: they inherit it
     config = {"width": args.width, "layers": args.layers, "batch": args.batch, "period": args.period,
               "delay": args.delay, "steps": args.period * args.layers * args.syncs, "plain_steps": args.plain_steps,
               "codec": None if args.codec == "fp32" else args.codec, "overlap": not args.no_overlap,
-              "run_id": f"overlap-{uuid.uuid4().hex[:8]}"}  # fmt: skip
+              "run_id": f"overlap-{uuid.uuid4().hex[:8]}", "cores": replica_cores}  # fmt: skip
     link = {"rtt": args.rtt, "per_link": args.link, "connect_rtts": 0.0}
     with moto_s3_server("crf-diloco-overlap") as s3:
         parent, child = ctx.Pipe()
@@ -165,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
           f"codec {args.codec}, period {args.period}, fragment_sync_delay {args.delay}, overlap "
           f"{not args.no_overlap}; {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{v:.2f}' for v in load_start)} at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
-          "at the end")  # fmt: skip
+          f"at the end; {placement(replica_cores, server_cores)}")  # fmt: skip
     print(f"{'rank':>4} {'no sync':>8} {'during sync':>11} {'ratio':>6} {'DiLoCo, no sync':>15} {'steps in sync':>13} "
           f"{'longest step':>12} {'commits':>7} {'MB moved':>8}")  # fmt: skip
     ratios = []
