@@ -44,8 +44,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from main_job.numerics import cpu_numerics, pin_cpu_numerics
 from main_job.records import (
     CHANNELS,
