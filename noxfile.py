@@ -394,10 +394,9 @@ def primerl_parity(session: nox.Session) -> None:
 # (`--help`, a typo), which the job's own run then reports.
 _JOB_CHOICES = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
 import composer_main
 try:
-    args = composer_main.parse_args(sys.argv[2:])
+    args = composer_main.parse_args(sys.argv[1:])
 except SystemExit:
     print("{}")
 else:
@@ -405,9 +404,15 @@ else:
 """
 
 
+def _examples_env() -> dict[str, str]:
+    """``PYTHONPATH`` with ``examples/`` first, for a process that imports the main job's modules (``composer_main``,
+    ``main_job``) without running the job as a script (which puts its folder on the path by itself)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))}
+
+
 def _main_job_extras(session: nox.Session, args: list[str]) -> None:
     """What the main job's optional choices need beyond the workspace: the real model, Ray, Monarch."""
-    out = session.run("python", "-c", _JOB_CHOICES, str(ROOT / "examples"), *args, silent=True, log=False)
+    out = session.run("python", "-c", _JOB_CHOICES, *args, env=_examples_env(), silent=True, log=False)
     lines = str(out or "").strip().splitlines()
     choices = json.loads(lines[-1]) if lines else {}
     if choices.get("model") == "smollm2-135m":
@@ -444,6 +449,7 @@ def monarch(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark under benchmarks/, printing ratios against its peer (`nox -s bench -- loss_memory`)."""
     install(session, None, [], groups=("test", "examples"))
+    session.env.update(_examples_env())  # warm_start_reading.py measures the main job's warm start (main_job)
     wanted = set(session.posargs)
     for script in sorted((ROOT / "benchmarks").glob("*.py")):
         if not wanted or script.stem in wanted:

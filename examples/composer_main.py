@@ -41,10 +41,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from typing import TYPE_CHECKING, Any
 
 from main_job.numerics import cpu_numerics, pin_cpu_numerics
 from main_job.records import (
@@ -53,13 +52,19 @@ from main_job.records import (
     TRAINERS,
     JobSpec,
     ReplicaReport,
+    check_schedule,
     compression,
     read_record,
     write_record,
 )
-from main_job.tasks import DATA, build_drills, load_demonstrations, load_tasks
+from main_job.tasks import DATA, CodingTask, Demonstration, build_drills, load_demonstrations, load_tasks
 
-__all__ = ["main", "parse_args"]
+if TYPE_CHECKING:
+    from main_job.evaluate import PassRate
+    from main_job.feedback import FeedbackExample
+    from main_job.report import JobOutcome
+
+__all__ = ["main", "parse_args", "run_job"]
 
 
 # --------------------------------------------------------------------------- sandbox
@@ -138,6 +143,15 @@ def _channels(text: str) -> tuple[str, ...]:
     return tuple(c for c in CHANNELS if c in names)
 
 
+def _codec(text: str) -> str:
+    """``--codec``: a wire codec crf-diloco knows (`records.compression`, which names the codecs there are)."""
+    try:
+        compression(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default unless it is None (those defaults depend on the model and are in the help text)."""
 
@@ -145,7 +159,8 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
+    """The job's flags (defaults of None depend on other flags: `_fill_defaults`)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=_Defaults)
     add = parser.add_argument
     add("--quick", action="store_true", default=os.environ.get("CRF_QUICK") == "1",
@@ -205,7 +220,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--outer-lr", type=float, default=1.0, help="DiLoCo outer SGD lr (1.0 without momentum = averaging)")
     add("--outer-momentum", type=float, default=0.0, help="DiLoCo outer Nesterov momentum (the paper: 0.9)")
     add("--sync-timeout", type=float, default=120.0, help="seconds a DiLoCo round may wait for peers")
-    add("--codec", default="fp32",
+    add("--codec", type=_codec, default="fp32",
         help="wire codec of DiLoCo's outer gradients: fp32, bf16, int8, int4[:block] or topk[:k/block] (the last two "
              "with error feedback; crf_diloco.wire)")  # fmt: skip
     add("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
@@ -217,6 +232,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the agentic job: multi-turn episodes (draft, run_tests, read the result, fix, submit) in a sandboxed "
              "CodingEnvironment per rollout; its own defaults: 60 steps, 4 episodes per held-out task, 640 tokens "
              "(main_job.agent)")  # fmt: skip
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The job's options: flags parsed, the defaults that depend on other flags filled in, every value checked (a bad
+    flag fails here, before any work, naming the flag), channel weights, device and run id resolved. With
+    ``--replica`` only the parsed flags (the replica reads everything else from its ``job.json``)."""
+    parser = _parser()
     opts = parser.parse_args(argv)
     if opts.replica:
         return opts
@@ -224,20 +247,39 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         from main_job.agent_job import apply_defaults
 
         apply_defaults(opts, parser)
-    opts.max_completion_length = opts.max_completion_length if opts.max_completion_length is not None else 12
+    _fill_defaults(opts)
+    _check(opts, parser)
+    opts.weights = _channel_weights(opts, parser)
+    opts.storage_options = dict(opts.storage_options)
+    opts.device = _device(opts.device, parser)
+    opts.run_id = opts.run_id or f"main-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+    return opts
+
+
+def _fill_defaults(opts: argparse.Namespace) -> None:
+    """The defaults of the flags left unset (None) that depend on ``--quick`` and ``--model``."""
     tiny = opts.model == "tiny"
-    opts.steps = opts.steps if opts.steps is not None else (4 if opts.quick else 300)
-    opts.sync_every = opts.sync_every if opts.sync_every is not None else (2 if opts.quick else 10)
-    opts.lr = opts.lr if opts.lr is not None else (1e-3 if tiny else 1e-5)
-    # SmolLM2 writes Python already but not one line then EOS (held-out pass rate 0.004); 5 steps teach the format
-    # (0.167) and leave RL room (30 steps at 3e-5: 1.000).
-    opts.warmup_steps = (
-        opts.warmup_steps if opts.warmup_steps is not None else (5 if not tiny else 20 if opts.quick else 400)
-    )
-    opts.warmup_lr = opts.warmup_lr if opts.warmup_lr is not None else (3e-3 if tiny else 1e-5)
-    opts.eval_samples = opts.eval_samples if opts.eval_samples is not None else (2 if opts.quick else 16)
-    for name in ("replicas", "steps", "sync_every", "prompts_per_step", "generations", "eval_samples",
-                 "max_completion_length"):  # fmt: skip
+    defaults = {
+        "max_completion_length": 12,
+        "steps": 4 if opts.quick else 300,
+        "sync_every": 2 if opts.quick else 10,
+        "lr": 1e-3 if tiny else 1e-5,
+        # SmolLM2 writes Python already but not one line then EOS (held-out pass rate 0.004); 5 steps teach the
+        # format (0.167) and leave RL room (30 steps at 3e-5: 1.000).
+        "warmup_steps": 5 if not tiny else 20 if opts.quick else 400,
+        "warmup_lr": 3e-3 if tiny else 1e-5,
+        "eval_samples": 2 if opts.quick else 16,
+    }
+    for name, value in defaults.items():
+        if getattr(opts, name) is None:
+            setattr(opts, name, value)
+
+
+def _check(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Each flag's limits, once. The schedule is `JobSpec`'s rule (`check_schedule`), asked here under the flags'
+    names so that a bad ``--steps`` / ``--sync-every`` fails at once rather than when ``job.json`` is written;
+    ``--codec`` is checked by its type (`_codec`)."""
+    for name in ("replicas", "prompts_per_step", "eval_samples", "max_completion_length"):
         if getattr(opts, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("lr", "warmup_lr", "temperature", "outer_lr", "sync_timeout", "sandbox_timeout", "replica_timeout"):
@@ -247,33 +289,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--outer-momentum must be in [0, 1), got {opts.outer_momentum}")
     if opts.generations < 2:
         parser.error("--generations must be >= 2 (GRPO compares rollouts within a group)")
-    if opts.steps % opts.sync_every:
-        parser.error(
-            f"--steps ({opts.steps}) must be a multiple of --sync-every ({opts.sync_every}) so the run ends on a "
-            "DiLoCo round and every replica holds the same final weights"
-        )
+    try:
+        check_schedule(opts.steps, opts.sync_every, names=("--steps", "--sync-every"))
+    except ValueError as exc:
+        parser.error(str(exc))
     if opts.warmup_steps < 0:
         parser.error("--warmup-steps must be >= 0")
-    try:
-        compression(opts.codec)
-    except ValueError as exc:
-        parser.error(f"--codec: {exc}")
+
+
+def _channel_weights(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, float]:
+    """Each channel's weight: its flag's where ``--channels`` names it (which must be > 0), else 0."""
     weights = {"grpo": opts.grpo_weight, "sdpo_jsd": opts.sdpo_weight, "trace_replay_dpo": opts.dpo_weight}
     if any(not weights[c] > 0 for c in opts.channels):
         parser.error(f"every channel in --channels needs a weight > 0, got {weights}")
-    opts.weights = {c: (weights[c] if c in opts.channels else 0.0) for c in CHANNELS}
-    opts.storage_options = dict(opts.storage_options)
-    if opts.device == "auto":
-        import torch
+    return {c: (weights[c] if c in opts.channels else 0.0) for c in CHANNELS}
 
-        opts.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if opts.device == "cuda":
-        import torch
 
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device is visible to torch here")
-    opts.run_id = opts.run_id or f"main-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
-    return opts
+def _device(choice: str, parser: argparse.ArgumentParser) -> str:
+    """``--device``: auto is cuda when torch sees a CUDA device, else cpu; cuda must be visible."""
+    if choice == "cpu":
+        return choice
+    import torch
+
+    visible = torch.cuda.is_available()
+    if choice == "cuda" and not visible:
+        parser.error("--device cuda: no CUDA device is visible to torch here")
+    return "cuda" if visible else "cpu"
 
 
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
@@ -314,6 +355,17 @@ class _Relay:
             log.close()
 
 
+def _executor(name: str) -> Any:
+    """crf-diloco's executor of ``--executor`` (local or ray)."""
+    if name == "ray":
+        from crf_diloco.executors import RayExecutor
+
+        return RayExecutor()
+    from crf_diloco.executors import LocalProcessExecutor
+
+    return LocalProcessExecutor()
+
+
 def launch_replicas(opts: argparse.Namespace, job: Path, store: str) -> list[ReplicaReport]:
     """Start one process per replica (``--executor``) and read their reports."""
     env = {
@@ -327,15 +379,7 @@ def launch_replicas(opts: argparse.Namespace, job: Path, store: str) -> list[Rep
         return [read_record(ReplicaReport, job.parent / f"replica{r}.json") for r in range(opts.replicas)]
     from crf_diloco.executors import raise_for_failures, run_replicas
 
-    executor: Any
-    if opts.executor == "ray":
-        from crf_diloco.executors import RayExecutor
-
-        executor = RayExecutor()
-    else:
-        from crf_diloco.executors import LocalProcessExecutor
-
-        executor = LocalProcessExecutor()
+    executor = _executor(opts.executor)
     output = job.parent
     relay = _Relay(output, opts.replicas)
     command = [sys.executable, str(Path(__file__).resolve()), "--replica", str(job)]
@@ -368,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
         from main_job.replica import run_replica
 
         return run_replica(Path(opts.replica))
+    command = redacted_command(argv if argv is not None else sys.argv[1:])
     if opts.agent:  # --agent: the agentic job (main_job.agent_job)
         from main_job.agent_job import run_agent_job
 
@@ -377,29 +422,74 @@ def main(argv: Sequence[str] | None = None) -> Any:
             launch=launch_replicas,
             sandbox=describe_sandbox(),
             isolation=sandbox_isolation(),
-            command=redacted_command(argv if argv is not None else sys.argv[1:]),
+            command=command,
         )
+    return run_job(opts, pinned=pinned, command=command)
 
-    import torch
-    from main_job.evaluate import Change, evaluate
-    from main_job.feedback import feedback_examples
-    from main_job.policy import build_policy, load_policy, save_policy, warm_start
-    from main_job.report import JobOutcome, plot, summary_markdown, summary_table
-    from main_job.tasks import check_unseen
-    from main_job.teacher import build_trace_pairs
 
-    start = time.monotonic()
-    phases: dict[str, float] = {}
-    mark = start
+def run_job(opts: argparse.Namespace, *, pinned: bool, command: str) -> JobOutcome:
+    """The single-completion job, phase by phase (the module docstring's steps 1 to 6)."""
+    run = _start(opts, pinned)
+    data = _prepare_data(run)
+    model, tokenizer = _warm_start(run, data)
+    before = _evaluate_before(run, data, model, tokenizer)
+    del model  # the replicas load the warm start from disk
+    run.lap("evaluation before")
+    replicas = _train_replicas(run, data)
+    run.lap("RL")
+    after = _evaluate_after(run, data, tokenizer, before)
+    run.lap("evaluation after")
+    return _report(run, data, before, after, replicas, command)
 
-    def phase(name: str) -> None:
-        nonlocal mark
+
+@dataclass
+class _Run:
+    """What every phase of the job reads: the options, where the run writes, how generated code is isolated, and
+    the wall time of each phase so far (`lap`)."""
+
+    opts: argparse.Namespace
+    output: Path
+    store: str
+    channels: tuple[str, ...]
+    sandbox: str
+    isolation: str
+    numerics: str
+    start: float
+    phases: dict[str, float] = field(default_factory=dict, init=False)
+    _mark: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._mark = self.start
+
+    def lap(self, name: str) -> None:
+        """Record the seconds since the last lap (or the start) as phase ``name``."""
         now = time.monotonic()
-        phases[name] = now - mark
-        mark = now
+        self.phases[name] = now - self._mark
+        self._mark = now
 
+
+@dataclass(frozen=True)
+class _Data:
+    """The tasks and the texts the warm start and the replicas train on (none holds a held-out task)."""
+
+    train: list[CodingTask]
+    heldout: list[CodingTask]
+    demos: list[Demonstration]
+    feedback: list[FeedbackExample]
+    pairs: Path
+
+    @property
+    def hard(self) -> list[str]:
+        """Names of the held-out tasks in the hard subset."""
+        return [t.name for t in self.heldout if t.hard]
+
+
+def _start(opts: argparse.Namespace, pinned: bool) -> _Run:
+    """Torch's threads, the output folder and store, and the lines saying what runs where."""
+    import torch
     from transformers.utils import logging as hf_logging
 
+    start = time.monotonic()
     hf_logging.disable_progress_bar()
     threads = 1 if opts.model == "tiny" and opts.device == "cpu" else max(1, os.cpu_count() or 1)
     torch.set_num_threads(threads)  # a tiny model runs fastest on one thread per process
@@ -423,14 +513,22 @@ def main(argv: Sequence[str] | None = None) -> Any:
         + ("" if pinned else " (torch was imported before the job could pin them: figures may differ from the docs)"),
         flush=True,
     )
-    isolation = sandbox_isolation()
+    return _Run(opts, output, store, channels, sandbox, sandbox_isolation(), numerics, start)
 
+
+def _prepare_data(run: _Run) -> _Data:
+    """The tasks, the trace-replay DPO pairs and the warm start's feedback, checked to hold no held-out task."""
+    from main_job.feedback import feedback_examples
+    from main_job.tasks import check_unseen
+    from main_job.teacher import build_trace_pairs
+
+    opts = run.opts
     train, heldout = load_tasks(DATA / "tasks_train.jsonl"), load_tasks(DATA / "tasks_heldout.jsonl")
     demos = load_demonstrations(DATA / "demonstrations.jsonl")
-    pairs = build_trace_pairs(output, train, opts.teacher_url, opts.teacher_model)
+    pairs = build_trace_pairs(run.output, train, opts.teacher_url, opts.teacher_model)
     pair_texts = [v for line in pairs.read_text(encoding="utf-8").splitlines() for v in json.loads(line).values()]
     readable = [t for t in train if not t.hard] + build_drills()  # never a hard task: the warm start lacks them
-    feedback = feedback_examples(readable, isolation=isolation, timeout_s=opts.sandbox_timeout, seed=opts.seed)
+    feedback = feedback_examples(readable, isolation=run.isolation, timeout_s=opts.sandbox_timeout, seed=opts.seed)
     check_unseen(
         heldout,
         {
@@ -440,124 +538,158 @@ def main(argv: Sequence[str] | None = None) -> Any:
             "DPO pairs": [json.dumps(v) if not isinstance(v, str) else v for v in pair_texts],
         },
     )
-    hard = sum(t.hard for t in heldout)
+    data = _Data(train, heldout, demos, feedback, pairs)
     print(
-        f"tasks: {len(train)} train, {len(heldout)} held out ({hard} of them hard, bitwise; none of them in the train "
-        "tasks, the demonstrations, the warm start's feedback or the DPO pairs)",
+        f"tasks: {len(train)} train, {len(heldout)} held out ({len(data.hard)} of them hard, bitwise; none of them in "
+        "the train tasks, the demonstrations, the warm start's feedback or the DPO pairs)",
         flush=True,
     )
+    return data
+
+
+def _warm_start(run: _Run, data: _Data) -> tuple[Any, Any]:
+    """The policy, built and warm-started (supervised) on the easy train tasks and the sandbox's feedback, saved to
+    ``warm_start/`` for the replicas; returns it and its tokenizer."""
+    from main_job.policy import build_policy, save_policy, warm_start
+
+    opts = run.opts
     model, tokenizer = build_policy(opts.model, seed=opts.seed)
     model.to(opts.device)
-    phase("set-up")
+    run.lap("set-up")
     if opts.warmup_steps:
         loss = warm_start(
-            model, tokenizer, demos, feedback=feedback, steps=opts.warmup_steps, lr=opts.warmup_lr, seed=opts.seed
-        )
+            model, tokenizer, data.demos, feedback=data.feedback, steps=opts.warmup_steps, lr=opts.warmup_lr,
+            seed=opts.seed,
+        )  # fmt: skip
         print(
-            f"warm start: {opts.warmup_steps} supervised steps on {len(demos)} demonstrations and the sandbox's "
-            f"feedback on {len(feedback)} wrong attempts (easy train tasks and drills), loss {loss:.3f}"
+            f"warm start: {opts.warmup_steps} supervised steps on {len(data.demos)} demonstrations and the sandbox's "
+            f"feedback on {len(data.feedback)} wrong attempts (easy train tasks and drills), loss {loss:.3f}"
         )
-    save_policy(model, tokenizer, output / "warm_start")
-    phase("warm start")
+    save_policy(model, tokenizer, run.output / "warm_start")
+    run.lap("warm start")
+    return model, tokenizer
 
-    def heldout_rate(policy: Any) -> Any:
-        return evaluate(
-            policy,
-            tokenizer,
-            heldout,
-            samples=opts.eval_samples,
-            max_new_tokens=opts.max_completion_length,
-            temperature=opts.temperature,
-            seed=opts.seed + 12345,  # the same draws before and after RL
-            isolation=isolation,
-            timeout_s=opts.sandbox_timeout,
-        )
 
-    before = heldout_rate(model)
-    hard_names = [t.name for t in heldout if t.hard]
+def _heldout_rate(run: _Run, data: _Data, policy: Any, tokenizer: Any) -> PassRate:
+    """The policy's pass rate on the held-out tasks, with the same sampling draws before and after RL."""
+    from main_job.evaluate import evaluate
+
+    opts = run.opts
+    return evaluate(
+        policy,
+        tokenizer,
+        data.heldout,
+        samples=opts.eval_samples,
+        max_new_tokens=opts.max_completion_length,
+        temperature=opts.temperature,
+        seed=opts.seed + 12345,  # the same draws before and after RL
+        isolation=run.isolation,
+        timeout_s=opts.sandbox_timeout,
+    )
+
+
+def _evaluate_before(run: _Run, data: _Data, model: Any, tokenizer: Any) -> PassRate:
+    """The warm-started policy on the held-out tasks."""
+    before = _heldout_rate(run, data, model, tokenizer)
     print(
-        f"held-out pass rate before RL: {before.text()} ({opts.eval_samples} samples x {len(heldout)} tasks); "
-        f"hard subset {before.subset(hard_names).text()}",
+        f"held-out pass rate before RL: {before.text()} ({run.opts.eval_samples} samples x {len(data.heldout)} tasks); "
+        f"hard subset {before.subset(data.hard).text()}",
         flush=True,
     )
-    del model
-    phase("evaluation before")
+    return before
 
-    job = output / "job.json"
-    spec = JobSpec.from_options(opts, output=output, pairs=pairs, isolation=isolation)
-    write_record(spec, job)
-    replicas = launch_replicas(opts, job, store)
-    phase("RL")
 
-    final, _ = load_policy(output / "final", opts.device)
-    after = heldout_rate(final)
+def _train_replicas(run: _Run, data: _Data) -> list[ReplicaReport]:
+    """RL: ``job.json`` (`JobSpec`) written for the replicas, the replicas started (``--executor``), their reports."""
+    job = run.output / "job.json"
+    write_record(JobSpec.from_options(run.opts, output=run.output, pairs=data.pairs, isolation=run.isolation), job)
+    return launch_replicas(run.opts, job, run.store)
+
+
+def _evaluate_after(run: _Run, data: _Data, tokenizer: Any, before: PassRate) -> PassRate:
+    """The final weights (equal on every replica after the last round) on the held-out tasks."""
+    from main_job.evaluate import Change
+    from main_job.policy import load_policy
+
+    final, _ = load_policy(run.output / "final", run.opts.device)
+    after = _heldout_rate(run, data, final, tokenizer)
     change = Change.between(before, after)
-    hard_change = Change.between(before.subset(hard_names), after.subset(hard_names))
+    hard_change = Change.between(before.subset(data.hard), after.subset(data.hard))
     print(
         f"held-out pass rate after RL: {after.text()}; change {change.text()}; hard subset "
-        f"{after.subset(hard_names).text()}, change {hard_change.text()}",
+        f"{after.subset(data.hard).text()}, change {hard_change.text()}",
         flush=True,
     )
-    phase("evaluation after")
+    return after
 
+
+def _report(
+    run: _Run, data: _Data, before: PassRate, after: PassRate, replicas: list[ReplicaReport], command: str
+) -> JobOutcome:
+    """The outcome: its table on the terminal, ``summary.md``, ``composer_main.png`` and ``result.json``."""
+    from main_job.report import JobOutcome, plot, summary_markdown, summary_table
+
+    opts, output = run.opts, run.output
     outcome = JobOutcome(
-        command=redacted_command(argv if argv is not None else sys.argv[1:]),
+        command=command,
         model=opts.model,
         executor=opts.executor,
-        channels=channels,
+        channels=run.channels,
         seed=opts.seed,
         steps=opts.steps,
         sync_every=opts.sync_every,
-        heldout_tasks=len(heldout),
-        train_tasks=len(train),
+        heldout_tasks=len(data.heldout),
+        train_tasks=len(data.train),
         before=before,
         after=after,
         replicas=tuple(replicas),
         identical_weights=len({r.weights_sha256 for r in replicas}) == 1,
-        seconds=time.monotonic() - start,
-        phases=phases,
+        seconds=time.monotonic() - run.start,
+        phases=run.phases,
         load_average=" ".join(Path("/proc/loadavg").read_text().split()[:3])
         if Path("/proc/loadavg").exists()
         else "n/a",
-        sandbox=sandbox,
-        numerics=numerics,
-        hard=tuple(hard_names),
+        sandbox=run.sandbox,
+        numerics=run.numerics,
+        hard=tuple(data.hard),
     )
     print(summary_table(outcome), flush=True)
     plot(outcome, output / "composer_main.png")
     (output / "summary.md").write_text(summary_markdown(outcome, "composer_main.png"), encoding="utf-8")
-    (output / "result.json").write_text(
-        json.dumps(
-            {
-                "channels": list(channels),
-                "seed": opts.seed,
-                "before": before.mean,
-                "after": after.mean,
-                "change": change.mean,
-                "change_interval": list(change.interval),
-                "tasks": list(before.tasks),
-                "before_per_task": list(before.per_task),
-                "after_per_task": list(after.per_task),
-                "samples": before.samples,
-                "seconds": outcome.seconds,
-                "numerics": numerics,
-                "subsets": {
-                    name: {
-                        "tasks": len(b.tasks),
-                        "before": b.mean,
-                        "after": a.mean,
-                        "change": Change.between(b, a).mean,
-                        "change_interval": list(Change.between(b, a).interval),
-                    }
-                    for name, (b, a) in outcome.subsets().items()
-                },
-            },
-            indent=1,
-        ),
-        encoding="utf-8",
-    )
+    (output / "result.json").write_text(json.dumps(_result(outcome), indent=1), encoding="utf-8")
     print(f"report: {output / 'summary.md'}, plot: {output / 'composer_main.png'} ({outcome.seconds:.0f} s)")
     return outcome
+
+
+def _result(outcome: JobOutcome) -> dict[str, Any]:
+    """``result.json``: the figures of the run (what the ablation and the docs read)."""
+    from main_job.evaluate import Change
+
+    before, after, change = outcome.before, outcome.after, outcome.change
+    return {
+        "channels": list(outcome.channels),
+        "seed": outcome.seed,
+        "before": before.mean,
+        "after": after.mean,
+        "change": change.mean,
+        "change_interval": list(change.interval),
+        "tasks": list(before.tasks),
+        "before_per_task": list(before.per_task),
+        "after_per_task": list(after.per_task),
+        "samples": before.samples,
+        "seconds": outcome.seconds,
+        "numerics": outcome.numerics,
+        "subsets": {
+            name: {
+                "tasks": len(b.tasks),
+                "before": b.mean,
+                "after": a.mean,
+                "change": Change.between(b, a).mean,
+                "change_interval": list(Change.between(b, a).interval),
+            }
+            for name, (b, a) in outcome.subsets().items()
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -206,14 +206,10 @@ def check_composer_main(command: Command, tmp_path: Path) -> None:
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", shown.stdout), f"{command}: {flag} is no option"
     if not _importable("torch"):
         return
-    program = (
-        "import sys\n"
-        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
-        "import composer_main\n"
-        "composer_main.parse_args(sys.argv[1:])\n"
-        "print('PARSED')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", program, *flags], capture_output=True, text=True, timeout=60)
+    program = "import sys, composer_main\ncomposer_main.parse_args(sys.argv[1:])\nprint('PARSED')\n"
+    path = os.pathsep.join(filter(None, [str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))  # as for the script
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", program, *flags], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"{command}\n{proc.stderr}"
     assert "PARSED" in proc.stdout, command
 

@@ -11,7 +11,6 @@ starts them, waits and returns each one's report.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -38,10 +37,10 @@ def run_monarch_replicas(
     job: Path, world_size: int, uri: str, run_id: str, extra: Mapping[str, str]
 ) -> list[ReplicaReport]:
     """Spawn ``world_size`` processes on this host, one `ComposerReplica` each, train, return reports by rank."""
-    examples = str(Path(__file__).resolve().parents[1])  # the actors import main_job from here
+    # The actors' processes unpickle `ComposerReplica` by importing main_job: they inherit this environment, so the
+    # folder that holds main_job goes on their PYTHONPATH (this process imported it already).
+    examples = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (examples, os.environ.get("PYTHONPATH")) if p)
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
     procs = this_host().spawn_procs(per_host={"procs": world_size})
     try:
         replicas = procs.spawn("replicas", ComposerReplica)

@@ -23,6 +23,7 @@ __all__ = [
     "JobSpec",
     "ReplicaReport",
     "StepRecord",
+    "check_schedule",
     "compression",
     "read_record",
     "write_record",
@@ -47,6 +48,19 @@ def compression(codec: str) -> str | None:
 
     parse_codec(codec)
     return codec
+
+
+def check_schedule(steps: int, sync_every: int, *, names: tuple[str, str] = ("steps", "sync_every")) -> None:
+    """`JobSpec`'s schedule: ``steps`` a positive multiple of ``sync_every`` (itself >= 1), so the run ends on a DiLoCo
+    round and every replica holds the same final weights. A ValueError calls them by ``names`` (the launcher's parser
+    checks its flags with this rule: ``("--steps", "--sync-every")``)."""
+    if sync_every < 1:
+        raise ValueError(f"{names[1]} must be >= 1, got {sync_every}")
+    if steps < 1 or steps % sync_every:
+        raise ValueError(
+            f"{names[0]} ({steps}) must be a positive multiple of {names[1]} ({sync_every}) so the run ends on a "
+            "DiLoCo round and every replica holds the same final weights"
+        )
 
 
 @dataclass(frozen=True)
@@ -127,8 +141,7 @@ class JobSpec:
         if sorted(self.weights) != sorted(CHANNELS):
             raise ValueError(f"weights must name exactly the channels {CHANNELS}, got {sorted(self.weights)}")
         compression(self.codec)
-        if self.steps < 1 or self.sync_every < 1 or self.steps % self.sync_every:
-            raise ValueError(f"steps ({self.steps}) must be a positive multiple of sync_every ({self.sync_every})")
+        check_schedule(self.steps, self.sync_every)
 
 
 @dataclass(frozen=True)

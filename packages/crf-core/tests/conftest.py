@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -116,14 +115,9 @@ def repo_root(pytestconfig: pytest.Config) -> Path:
 
 @pytest.fixture
 def composer_main(repo_root: Path) -> ModuleType:
-    """``examples/composer_main.py`` as a module (loading it puts ``examples/`` on ``sys.path`` for ``main_job``)."""
+    """``examples/composer_main.py`` as a module; ``examples/`` is on the path through the root pyproject.toml's
+    pytest ``pythonpath``, so ``composer_main`` and ``main_job`` import as they do when the job runs as a script."""
     script = repo_root / "examples" / "composer_main.py"
     if not script.is_file():
         pytest.skip(f"the main job is not here ({script}): run the tests from the workspace root")
-    spec = importlib.util.spec_from_file_location("composer_main", script)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["composer_main"] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("composer_main")
