@@ -223,6 +223,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--codec", type=_codec, default="fp32",
         help="wire codec of DiLoCo's outer gradients: fp32, bf16, int8, int4[:block] or topk[:k/block] (the last two "
              "with error feedback; crf_diloco.wire)")  # fmt: skip
+    add("--sync-delay", type=int, default=0,
+        help="overlap: each DiLoCo round starts this many inner steps before it is applied and runs in the background "
+             "meanwhile (torchft's Streaming DiLoCo fragment_sync_delay, with crf-diloco's MockManager(overlap=True)); "
+             "the inner steps taken meanwhile are replaced by the round's result (fragment_update_alpha 0), so the "
+             "replicas still end bit-identical; 0: the round runs at its step, as plain DiLoCo")  # fmt: skip
     add("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
     add("--replica-timeout", type=float, default=3600.0, help="seconds before the replicas are stopped")
     add("--seed", type=int, default=0)
@@ -290,7 +295,7 @@ def _check(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if opts.generations < 2:
         parser.error("--generations must be >= 2 (GRPO compares rollouts within a group)")
     try:
-        check_schedule(opts.steps, opts.sync_every, names=("--steps", "--sync-every"))
+        check_schedule(opts.steps, opts.sync_every, opts.sync_delay, names=("--steps", "--sync-every", "--sync-delay"))
     except ValueError as exc:
         parser.error(str(exc))
     if opts.warmup_steps < 0:
@@ -501,7 +506,9 @@ def _start(opts: argparse.Namespace, pinned: bool) -> _Run:
     print(
         f"crf main job: {' + '.join(channels)}; {opts.replicas} replica processes ({opts.executor} executor) x "
         f"{opts.steps} steps, DiLoCo round every {opts.sync_every}"
-        f"{'' if opts.codec == 'fp32' else f' ({opts.codec} on the wire)'}; model {opts.model} on {opts.device}; "
+        f"{'' if opts.codec == 'fp32' else f' ({opts.codec} on the wire)'}"
+        f"{f', started {opts.sync_delay} steps early in the background' if opts.sync_delay else ''}; "
+        f"model {opts.model} on {opts.device}; "
         f"store {store}; output {output}",
         flush=True,
     )

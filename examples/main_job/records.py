@@ -50,12 +50,24 @@ def compression(codec: str) -> str | None:
     return codec
 
 
-def check_schedule(steps: int, sync_every: int, *, names: tuple[str, str] = ("steps", "sync_every")) -> None:
+def check_schedule(
+    steps: int,
+    sync_every: int,
+    sync_delay: int = 0,
+    *,
+    names: tuple[str, str, str] = ("steps", "sync_every", "sync_delay"),
+) -> None:
     """`JobSpec`'s schedule: ``steps`` a positive multiple of ``sync_every`` (itself >= 1), so the run ends on a DiLoCo
-    round and every replica holds the same final weights. A ValueError calls them by ``names`` (the launcher's parser
-    checks its flags with this rule: ``("--steps", "--sync-every")``)."""
+    round and every replica holds the same final weights, and ``0 <= sync_delay < sync_every`` (torchft's
+    ``fragment_sync_delay``). A ValueError calls them by ``names`` (the launcher's parser checks its flags with this
+    rule: ``("--steps", "--sync-every", "--sync-delay")``)."""
     if sync_every < 1:
         raise ValueError(f"{names[1]} must be >= 1, got {sync_every}")
+    if not 0 <= sync_delay < sync_every:
+        raise ValueError(
+            f"{names[2]} must be in [0, {names[1]}) = [0, {sync_every}): a round starts that many inner steps before "
+            f"it is applied, got {sync_delay}"
+        )
     if steps < 1 or steps % sync_every:
         raise ValueError(
             f"{names[0]} ({steps}) must be a positive multiple of {names[1]} ({sync_every}) so the run ends on a "
@@ -100,6 +112,7 @@ class JobSpec:
     threads: int
     device: str
     agent: bool = False  # --agent: multi-turn episodes in a CodingEnvironment (main_job.agent)
+    sync_delay: int = 0  # torchft's fragment_sync_delay: a round starts this many inner steps early, in the background
 
     @classmethod
     def from_options(cls, opts: Any, *, output: Path, pairs: Path, isolation: str, agent: bool = False) -> JobSpec:
@@ -135,13 +148,14 @@ class JobSpec:
             threads=max(1, (os.cpu_count() or 1) // opts.replicas),
             device=opts.device,
             agent=agent,
+            sync_delay=opts.sync_delay,
         )
 
     def __post_init__(self) -> None:
         if sorted(self.weights) != sorted(CHANNELS):
             raise ValueError(f"weights must name exactly the channels {CHANNELS}, got {sorted(self.weights)}")
         compression(self.codec)
-        check_schedule(self.steps, self.sync_every)
+        check_schedule(self.steps, self.sync_every, self.sync_delay)
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ def run_replica(job: Path) -> ReplicaReport:
     repeats = -(-spec.steps * spec.prompts_per_step // len(rows)) + 1
     trainer = build_trainer(spec, rank, model, tokenizer, reward, Dataset.from_list(rows * repeats))
     trainer.remove_callback(PrinterCallback)  # the progress callback prints a compact line instead
-    manager = MockManager(allreduce)
+    manager = MockManager(allreduce, overlap=spec.sync_delay > 0)  # overlap: rounds on a background thread
     history: list[StepRecord] = []
     trainer.add_callback(_progress(spec, rank, history, manager, allreduce, start))
     trainer.create_optimizer()
@@ -194,7 +194,15 @@ def run_replica(job: Path) -> ReplicaReport:
     outer = torch.optim.SGD(
         policy.parameters(), lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.outer_momentum > 0
     )
-    with DiLoCo(manager, [policy], trainer.optimizer, outer, sync_every=spec.sync_every, pin_memory=False):
+    with DiLoCo(
+        manager,
+        [policy],
+        trainer.optimizer,
+        outer,
+        sync_every=spec.sync_every,
+        fragment_sync_delay=spec.sync_delay,
+        pin_memory=False,
+    ):
         trainer.train()
     report = ReplicaReport(
         rank=rank,

@@ -197,7 +197,9 @@ def moto_s3() -> Iterator[dict[str, Any]]:
 def test_main_job_quick_s3(
     composer_main: ModuleType, tmp_path: Path, moto_s3: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The quick run with ``--store s3://…`` against moto's S3 server through s3fs (real HTTP, create-only writes)."""
+    """The quick run with ``--store s3://…`` against moto's S3 server through s3fs (real HTTP, create-only writes),
+    with the sparse codec on the wire and each round started a step early in the background (Streaming DiLoCo's
+    overlap): the replicas still end bit-identical."""
     store = f"s3://{moto_s3['bucket']}/runs"
     options = [
         f"endpoint_url={moto_s3['endpoint']}",
@@ -206,14 +208,21 @@ def test_main_job_quick_s3(
         'client_kwargs={"region_name": "us-east-1"}',
     ]
     argv = ["--quick", "--output-dir", str(tmp_path), "--store", store, "--run-id", "s3-quick"]
+    argv += ["--codec", "topk", "--sync-delay", "1"]
     argv += [x for option in options for x in ("--storage-option", option)]
     outcome = composer_main.main(argv)
     printed = capsys.readouterr().out
     assert f"store {store}" in printed
+    assert "(topk on the wire), started 1 steps early in the background" in printed
+    from main_job.records import JobSpec, read_record
+
+    spec = read_record(JobSpec, tmp_path / "job.json")
+    assert (spec.codec, spec.sync_delay) == ("topk", 1)
     for r in outcome.replicas:
         assert r.rounds_committed == 2
         assert r.bytes_written > 0
         assert r.bytes_read > 0
+    assert len({r.weights_sha256 for r in outcome.replicas}) == 1  # the overlapped rounds still agree bit for bit
     listed = moto_s3["client"].list_objects_v2(Bucket=moto_s3["bucket"], Prefix="runs/s3-quick/")
     assert listed.get("Contents"), "nothing was written under the run's prefix in the bucket"
     assert not (tmp_path / "store").exists()  # nothing fell back to the local folder

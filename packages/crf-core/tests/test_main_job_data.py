@@ -162,6 +162,9 @@ def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleTyp
         read_record(JobSpec, path)
     with pytest.raises(ValueError, match="multiple of sync_every"):
         JobSpec(**{**data, "steps": 15})
+    for delay in (-1, data["sync_every"]):
+        with pytest.raises(ValueError, match=r"sync_delay must be in \[0, sync_every\)"):
+            JobSpec(**{**data, "sync_delay": delay})
     with pytest.raises(ValueError, match="exactly the channels"):
         JobSpec(**{**data, "weights": {"grpo": 1.0}})
 
@@ -197,6 +200,8 @@ def test_channels_flag_and_bad_arguments(composer_main: ModuleType) -> None:
         ["--channels", "ppo"],
         ["--channels", ","],
         ["--steps", "15", "--sync-every", "10"],
+        ["--sync-delay", "10"],
+        ["--sync-delay", "-1"],
         ["--channels", "grpo", "--grpo-weight", "0"],
         ["--generations", "1"],
         ["--replicas", "0"],
