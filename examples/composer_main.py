@@ -224,10 +224,11 @@ def _parser() -> argparse.ArgumentParser:
         help="wire codec of DiLoCo's outer gradients: fp32, bf16, int8, int4[:block] or topk[:k/block] (the last two "
              "with error feedback; crf_diloco.wire)")  # fmt: skip
     add("--sync-delay", type=int, default=0,
-        help="overlap: each DiLoCo round starts this many inner steps before it is applied and runs in the background "
-             "meanwhile (torchft's Streaming DiLoCo fragment_sync_delay, with crf-diloco's MockManager(overlap=True)); "
-             "the inner steps taken meanwhile are replaced by the round's result (fragment_update_alpha 0), so the "
-             "replicas still end bit-identical; 0: the round runs at its step, as plain DiLoCo")  # fmt: skip
+        help="overlap: each DiLoCo round is prepared this many inner steps before it is applied and runs in the "
+             "background from the next step on, so D >= 2 overlaps it with D - 1 inner steps (torchft's Streaming "
+             "DiLoCo fragment_sync_delay, crf-diloco's MockManager(overlap=True)); the inner steps taken meanwhile are "
+             "replaced by the round's result (fragment_update_alpha 0), so the replicas still end bit-identical; 0: "
+             "the round runs at its step, as plain DiLoCo")  # fmt: skip
     add("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
     add("--replica-timeout", type=float, default=3600.0, help="seconds before the replicas are stopped")
     add("--seed", type=int, default=0)

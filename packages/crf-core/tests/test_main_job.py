@@ -208,18 +208,18 @@ def test_main_job_quick_s3(
         'client_kwargs={"region_name": "us-east-1"}',
     ]
     argv = ["--quick", "--output-dir", str(tmp_path), "--store", store, "--run-id", "s3-quick"]
-    argv += ["--codec", "topk", "--sync-delay", "1"]
+    argv += ["--codec", "topk", "--sync-every", "4", "--sync-delay", "2"]  # one round, overlapped with one step
     argv += [x for option in options for x in ("--storage-option", option)]
     outcome = composer_main.main(argv)
     printed = capsys.readouterr().out
     assert f"store {store}" in printed
-    assert "(topk on the wire), started 1 steps early in the background" in printed
+    assert "(topk on the wire), started 2 steps early in the background" in printed
     from main_job.records import JobSpec, read_record
 
     spec = read_record(JobSpec, tmp_path / "job.json")
-    assert (spec.codec, spec.sync_delay) == ("topk", 1)
+    assert (spec.codec, spec.sync_every, spec.sync_delay) == ("topk", 4, 2)
     for r in outcome.replicas:
-        assert r.rounds_committed == 2
+        assert r.rounds_committed == 1
         assert r.bytes_written > 0
         assert r.bytes_read > 0
     assert len({r.weights_sha256 for r in outcome.replicas}) == 1  # the overlapped rounds still agree bit for bit
