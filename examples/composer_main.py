@@ -8,7 +8,8 @@ Run it from an environment with every crf package installed (``uv sync`` at the 
     python examples/composer_main.py --channels grpo    # the ablation: GRPO alone at the same budget
     python examples/composer_main.py --agent            # the agentic job: draft, run_tests, fix, submit
 
-What happens, with nothing to set up (the modules under ``main_job/`` hold each part):
+What happens, with nothing to set up (the modules under ``main_job/`` hold each part; ``main_job.job`` runs the
+steps, for ``--agent`` with ``main_job.agent_job``'s parts):
 
 1. **Tasks** (``main_job.tasks``): a parametric family of one-line Python functions (``def add_17(x):``
    → `` x + 17``; 9 templates × 38 constants), split by instance into 250 train and 88 held-out tasks. The
@@ -41,30 +42,22 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from main_job.numerics import cpu_numerics, pin_cpu_numerics
+from main_job.job import Kind, SingleCompletion, run_job
+from main_job.numerics import pin_cpu_numerics
 from main_job.records import (
     CHANNELS,
     STORAGE_OPTIONS_ENV,
     TRAINERS,
-    JobSpec,
     ReplicaReport,
     check_schedule,
     compression,
     read_record,
-    write_record,
 )
-from main_job.tasks import DATA, CodingTask, Demonstration, build_drills, load_demonstrations, load_tasks
 
-if TYPE_CHECKING:
-    from main_job.evaluate import PassRate
-    from main_job.feedback import FeedbackExample
-    from main_job.report import JobOutcome
-
-__all__ = ["main", "parse_args", "run_job"]
+__all__ = ["launch_replicas", "main", "parse_args"]
 
 
 # --------------------------------------------------------------------------- sandbox
@@ -411,293 +404,28 @@ def launch_replicas(opts: argparse.Namespace, job: Path, store: str) -> list[Rep
 
 # --------------------------------------------------------------------------- the job
 def main(argv: Sequence[str] | None = None) -> Any:
-    """Run the job (or, with ``--replica``, one replica); returns the `JobOutcome` (the replica's report)."""
+    """Run the job (or, with ``--replica``, one replica); returns the `JobOutcome` (the replica's report). The job's
+    phases are `main_job.job.run_job`'s; ``--agent`` runs them with the agentic parts (`main_job.agent_job`)."""
     pinned = pin_cpu_numerics()  # before torch is imported: the same figures on every x86-64 machine
     opts = parse_args(argv)
     if opts.replica:
         from main_job.replica import run_replica
 
         return run_replica(Path(opts.replica))
-    command = redacted_command(argv if argv is not None else sys.argv[1:])
+    kind: Kind[Any, Any] = SingleCompletion()
     if opts.agent:  # --agent: the agentic job (main_job.agent_job)
-        from main_job.agent_job import run_agent_job
+        from main_job.agent_job import AgentJob
 
-        return run_agent_job(
-            opts,
-            pinned=pinned,
-            launch=launch_replicas,
-            sandbox=describe_sandbox(),
-            isolation=sandbox_isolation(),
-            command=command,
-        )
-    return run_job(opts, pinned=pinned, command=command)
-
-
-def run_job(opts: argparse.Namespace, *, pinned: bool, command: str) -> JobOutcome:
-    """The single-completion job, phase by phase (the module docstring's steps 1 to 6)."""
-    run = _start(opts, pinned)
-    data = _prepare_data(run)
-    model, tokenizer = _warm_start(run, data)
-    before = _evaluate_before(run, data, model, tokenizer)
-    del model  # the replicas load the warm start from disk
-    run.lap("evaluation before")
-    replicas = _train_replicas(run, data)
-    run.lap("RL")
-    after = _evaluate_after(run, data, tokenizer, before)
-    run.lap("evaluation after")
-    return _report(run, data, before, after, replicas, command)
-
-
-@dataclass
-class _Run:
-    """What every phase of the job reads: the options, where the run writes, how generated code is isolated, and
-    the wall time of each phase so far (`lap`)."""
-
-    opts: argparse.Namespace
-    output: Path
-    store: str
-    channels: tuple[str, ...]
-    sandbox: str
-    isolation: str
-    numerics: str
-    start: float
-    phases: dict[str, float] = field(default_factory=dict, init=False)
-    _mark: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._mark = self.start
-
-    def lap(self, name: str) -> None:
-        """Record the seconds since the last lap (or the start) as phase ``name``."""
-        now = time.monotonic()
-        self.phases[name] = now - self._mark
-        self._mark = now
-
-
-@dataclass(frozen=True)
-class _Data:
-    """The tasks and the texts the warm start and the replicas train on (none holds a held-out task)."""
-
-    train: list[CodingTask]
-    heldout: list[CodingTask]
-    demos: list[Demonstration]
-    feedback: list[FeedbackExample]
-    pairs: Path
-
-    @property
-    def hard(self) -> list[str]:
-        """Names of the held-out tasks in the hard subset."""
-        return [t.name for t in self.heldout if t.hard]
-
-
-def _start(opts: argparse.Namespace, pinned: bool) -> _Run:
-    """Torch's threads, the output folder and store, and the lines saying what runs where."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    start = time.monotonic()
-    hf_logging.disable_progress_bar()
-    threads = 1 if opts.model == "tiny" and opts.device == "cpu" else max(1, os.cpu_count() or 1)
-    torch.set_num_threads(threads)  # a tiny model runs fastest on one thread per process
-    output = Path(opts.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    output.mkdir(parents=True, exist_ok=True)
-    store = opts.store or str(output / "store")
-    store = store if "://" in store else str(Path(store).resolve())  # replicas may run elsewhere than this cwd
-    channels = tuple(c for c in CHANNELS if opts.weights[c] > 0) if opts.trainer == "crf" else (opts.trainer,)
-    print(
-        f"crf main job: {' + '.join(channels)}; {opts.replicas} replica processes ({opts.executor} executor) x "
-        f"{opts.steps} steps, DiLoCo round every {opts.sync_every}"
-        f"{'' if opts.codec == 'fp32' else f' ({opts.codec} on the wire)'}"
-        f"{f', started {opts.sync_delay} steps early in the background' if opts.sync_delay else ''}; "
-        f"model {opts.model} on {opts.device}; "
-        f"store {store}; output {output}",
-        flush=True,
+        kind = AgentJob()
+    return run_job(
+        opts,
+        kind,
+        pinned=pinned,
+        command=redacted_command(argv if argv is not None else sys.argv[1:]),
+        sandbox=describe_sandbox(),
+        isolation=sandbox_isolation(),
+        launch=launch_replicas,
     )
-    sandbox = describe_sandbox()
-    print(sandbox, flush=True)
-    numerics = cpu_numerics()
-    print(
-        f"CPU numerics: {numerics}"
-        + ("" if pinned else " (torch was imported before the job could pin them: figures may differ from the docs)"),
-        flush=True,
-    )
-    return _Run(opts, output, store, channels, sandbox, sandbox_isolation(), numerics, start)
-
-
-def _prepare_data(run: _Run) -> _Data:
-    """The tasks, the trace-replay DPO pairs and the warm start's feedback, checked to hold no held-out task."""
-    from main_job.feedback import feedback_examples
-    from main_job.tasks import check_unseen
-    from main_job.teacher import build_trace_pairs
-
-    opts = run.opts
-    train, heldout = load_tasks(DATA / "tasks_train.jsonl"), load_tasks(DATA / "tasks_heldout.jsonl")
-    demos = load_demonstrations(DATA / "demonstrations.jsonl")
-    pairs = build_trace_pairs(run.output, train, opts.teacher_url, opts.teacher_model)
-    pair_texts = [v for line in pairs.read_text(encoding="utf-8").splitlines() for v in json.loads(line).values()]
-    readable = [t for t in train if not t.hard] + build_drills()  # never a hard task: the warm start lacks them
-    feedback = feedback_examples(readable, isolation=run.isolation, timeout_s=opts.sandbox_timeout, seed=opts.seed)
-    check_unseen(
-        heldout,
-        {
-            "train tasks": [text for t in train for text in (t.prompt, t.solution, *t.tests)],
-            "warm-start demonstrations": [text for d in demos for text in (d.prompt, d.completion)],
-            "warm-start feedback": [text for f in feedback for text in (f.prompt, f.attempt, f.feedback, f.completion)],
-            "DPO pairs": [json.dumps(v) if not isinstance(v, str) else v for v in pair_texts],
-        },
-    )
-    data = _Data(train, heldout, demos, feedback, pairs)
-    print(
-        f"tasks: {len(train)} train, {len(heldout)} held out ({len(data.hard)} of them hard, bitwise; none of them in "
-        "the train tasks, the demonstrations, the warm start's feedback or the DPO pairs)",
-        flush=True,
-    )
-    return data
-
-
-def _warm_start(run: _Run, data: _Data) -> tuple[Any, Any]:
-    """The policy, built and warm-started (supervised) on the easy train tasks and the sandbox's feedback, saved to
-    ``warm_start/`` for the replicas; returns it and its tokenizer."""
-    from main_job.policy import build_policy, save_policy, warm_start
-
-    opts = run.opts
-    model, tokenizer = build_policy(opts.model, seed=opts.seed)
-    model.to(opts.device)
-    run.lap("set-up")
-    if opts.warmup_steps:
-        loss = warm_start(
-            model, tokenizer, data.demos, feedback=data.feedback, steps=opts.warmup_steps, lr=opts.warmup_lr,
-            seed=opts.seed,
-        )  # fmt: skip
-        print(
-            f"warm start: {opts.warmup_steps} supervised steps on {len(data.demos)} demonstrations and the sandbox's "
-            f"feedback on {len(data.feedback)} wrong attempts (easy train tasks and drills), loss {loss:.3f}"
-        )
-    save_policy(model, tokenizer, run.output / "warm_start")
-    run.lap("warm start")
-    return model, tokenizer
-
-
-def _heldout_rate(run: _Run, data: _Data, policy: Any, tokenizer: Any) -> PassRate:
-    """The policy's pass rate on the held-out tasks, with the same sampling draws before and after RL."""
-    from main_job.evaluate import evaluate
-
-    opts = run.opts
-    return evaluate(
-        policy,
-        tokenizer,
-        data.heldout,
-        samples=opts.eval_samples,
-        max_new_tokens=opts.max_completion_length,
-        temperature=opts.temperature,
-        seed=opts.seed + 12345,  # the same draws before and after RL
-        isolation=run.isolation,
-        timeout_s=opts.sandbox_timeout,
-    )
-
-
-def _evaluate_before(run: _Run, data: _Data, model: Any, tokenizer: Any) -> PassRate:
-    """The warm-started policy on the held-out tasks."""
-    before = _heldout_rate(run, data, model, tokenizer)
-    print(
-        f"held-out pass rate before RL: {before.text()} ({run.opts.eval_samples} samples x {len(data.heldout)} tasks); "
-        f"hard subset {before.subset(data.hard).text()}",
-        flush=True,
-    )
-    return before
-
-
-def _train_replicas(run: _Run, data: _Data) -> list[ReplicaReport]:
-    """RL: ``job.json`` (`JobSpec`) written for the replicas, the replicas started (``--executor``), their reports."""
-    job = run.output / "job.json"
-    write_record(JobSpec.from_options(run.opts, output=run.output, pairs=data.pairs, isolation=run.isolation), job)
-    return launch_replicas(run.opts, job, run.store)
-
-
-def _evaluate_after(run: _Run, data: _Data, tokenizer: Any, before: PassRate) -> PassRate:
-    """The final weights (equal on every replica after the last round) on the held-out tasks."""
-    from main_job.evaluate import Change
-    from main_job.policy import load_policy
-
-    final, _ = load_policy(run.output / "final", run.opts.device)
-    after = _heldout_rate(run, data, final, tokenizer)
-    change = Change.between(before, after)
-    hard_change = Change.between(before.subset(data.hard), after.subset(data.hard))
-    print(
-        f"held-out pass rate after RL: {after.text()}; change {change.text()}; hard subset "
-        f"{after.subset(data.hard).text()}, change {hard_change.text()}",
-        flush=True,
-    )
-    return after
-
-
-def _report(
-    run: _Run, data: _Data, before: PassRate, after: PassRate, replicas: list[ReplicaReport], command: str
-) -> JobOutcome:
-    """The outcome: its table on the terminal, ``summary.md``, ``composer_main.png`` and ``result.json``."""
-    from main_job.report import JobOutcome, plot, summary_markdown, summary_table
-
-    opts, output = run.opts, run.output
-    outcome = JobOutcome(
-        command=command,
-        model=opts.model,
-        executor=opts.executor,
-        channels=run.channels,
-        seed=opts.seed,
-        steps=opts.steps,
-        sync_every=opts.sync_every,
-        heldout_tasks=len(data.heldout),
-        train_tasks=len(data.train),
-        before=before,
-        after=after,
-        replicas=tuple(replicas),
-        identical_weights=len({r.weights_sha256 for r in replicas}) == 1,
-        seconds=time.monotonic() - run.start,
-        phases=run.phases,
-        load_average=" ".join(Path("/proc/loadavg").read_text().split()[:3])
-        if Path("/proc/loadavg").exists()
-        else "n/a",
-        sandbox=run.sandbox,
-        numerics=run.numerics,
-        hard=tuple(data.hard),
-    )
-    print(summary_table(outcome), flush=True)
-    plot(outcome, output / "composer_main.png")
-    (output / "summary.md").write_text(summary_markdown(outcome, "composer_main.png"), encoding="utf-8")
-    (output / "result.json").write_text(json.dumps(_result(outcome), indent=1), encoding="utf-8")
-    print(f"report: {output / 'summary.md'}, plot: {output / 'composer_main.png'} ({outcome.seconds:.0f} s)")
-    return outcome
-
-
-def _result(outcome: JobOutcome) -> dict[str, Any]:
-    """``result.json``: the figures of the run (what the ablation and the docs read)."""
-    from main_job.evaluate import Change
-
-    before, after, change = outcome.before, outcome.after, outcome.change
-    return {
-        "channels": list(outcome.channels),
-        "seed": outcome.seed,
-        "before": before.mean,
-        "after": after.mean,
-        "change": change.mean,
-        "change_interval": list(change.interval),
-        "tasks": list(before.tasks),
-        "before_per_task": list(before.per_task),
-        "after_per_task": list(after.per_task),
-        "samples": before.samples,
-        "seconds": outcome.seconds,
-        "numerics": outcome.numerics,
-        "subsets": {
-            name: {
-                "tasks": len(b.tasks),
-                "before": b.mean,
-                "after": a.mean,
-                "change": Change.between(b, a).mean,
-                "change_interval": list(Change.between(b, a).interval),
-            }
-            for name, (b, a) in outcome.subsets().items()
-        },
-    }
 
 
 if __name__ == "__main__":

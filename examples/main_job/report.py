@@ -42,6 +42,8 @@ class JobOutcome:
     """The CPU code paths the run computed with (``main_job.numerics.cpu_numerics``)."""
     hard: tuple[str, ...] = ()
     """Names of the held-out tasks in the hard subset."""
+    title: str = "crf main job"
+    """The heading of ``summary.md`` (the job's kind: ``main_job.job.Kind.heading``)."""
 
     @property
     def change(self) -> Change:
@@ -129,7 +131,7 @@ def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
     r0 = outcome.replicas[0]
     first, last = ends([row.reward for row in r0.history])
     lines = [
-        "# crf main job",
+        f"# {outcome.title}",
         "",
         f"`{outcome.command}`",
         "",
