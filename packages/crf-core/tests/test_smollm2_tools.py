@@ -297,7 +297,7 @@ def test_the_model_calls_run_tests_and_the_environment_runs_it(tokenizer: Any, m
 # --------------------------------------------------------------------------- (d) one trainer step through TRL
 
 
-@pytest.mark.timeout(1800)  # ~2 min on 2 quiet cores; 9 min measured at load 9
+@pytest.mark.timeout(1800)  # 4.5 to 9 min measured on 2 cores at load 7 to 9 (shared machine)
 def test_one_trainer_step_runs_smollm2_calls_through_environment_factory(
     tokenizer: Any, model: Any, sandbox: None, tmp_path: Path
 ) -> None:

@@ -19,6 +19,12 @@ import pytest
 
 pytest.importorskip("trl", reason="the tool-calling rollouts need the [train] extra (trl)")
 
+import transformers
+from packaging.version import Version
+
+if Version(transformers.__version__) < Version("5.13.0.dev0"):
+    pytest.skip("parsing tool calls with a response_template needs transformers >= 5.13", allow_module_level=True)
+
 from datasets import Dataset
 from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
 
