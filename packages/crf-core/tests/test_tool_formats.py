@@ -9,6 +9,7 @@ through TRL's own tool loop. The real SmolLM2-135M (its GGUF tokenizer and the m
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -56,6 +57,10 @@ def tokenizer() -> Any:
     return add_smollm2_tool_calling(chatml_tokenizer())
 
 
+PARSE_TAKES_TOOLS = "tools" in inspect.signature(parse_response).parameters
+"""TRL >= 1.16 passes the tools to ``parse_response``; 1.14 (the lock's pick on Python 3.10) parses without them."""
+
+
 def calls(*pairs: tuple[str, Any]) -> str:
     """A SmolLM2 turn calling ``(name, arguments)`` pairs, as the format writes it."""
     body = ",\n".join(json.dumps({"name": name, "arguments": arguments}) for name, arguments in pairs)
@@ -67,7 +72,8 @@ def parse(tokenizer: Any, turn: str) -> dict[str, Any]:
     prefix = tokenizer.apply_chat_template(
         [{"role": "user", "content": "add"}], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    return parse_response(tokenizer, tokenizer(turn, add_special_tokens=False)["input_ids"], prefix=prefix, tools=TOOLS)
+    ids = tokenizer(turn, add_special_tokens=False)["input_ids"]
+    return parse_response(tokenizer, ids, prefix=prefix, **({"tools": TOOLS} if PARSE_TAKES_TOOLS else {}))
 
 
 # --------------------------------------------------------------------------- rendering
