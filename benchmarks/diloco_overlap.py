@@ -31,10 +31,8 @@ import statistics
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allreduce_wan import (
     SECRET,
     TEST_SUPPORT,
