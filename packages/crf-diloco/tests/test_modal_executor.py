@@ -159,7 +159,14 @@ class ThreadCall:
                 self._held = exc  # raised when the body starts
                 return
             assert self._thread.ident is not None
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread.ident), ctypes.py_object(exc))
+            ident = ctypes.c_ulong(self._thread.ident)
+            # A thread the body is starting (its replica's output pumps) carries the body's ident until it runs
+            # (CPython <= 3.12), so the exception can land on two threads: undo and retry until it lands on one.
+            deadline = time.monotonic() + 30
+            while ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, ctypes.py_object(exc)) != 1:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, None)
+                assert time.monotonic() < deadline, "the body's thread could not be interrupted alone"
+                time.sleep(0.001)
 
     def cancel(self, terminate_containers: bool = False) -> None:
         self.cancelled_with = terminate_containers
