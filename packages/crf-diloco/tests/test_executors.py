@@ -22,6 +22,7 @@ from crf_diloco.executors import (
     ENV_RANK,
     HFJobsExecutor,
     LocalProcessExecutor,
+    LocalReplicaHandle,
     ModalExecutor,
     ReplicaFailureError,
     ReplicaResult,
@@ -211,6 +212,44 @@ def test_local_executor_terminate_stops_the_whole_process_group(tmp_path: Path) 
     while pid_alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(grandchild)
+
+
+class Interrupted(BaseException):
+    pass
+
+
+class InterruptedWhileStarting(LocalProcessExecutor):
+    """Delivers ``sig`` to this process right after rank 1's child exists, before its handle is returned."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(terminate_grace_s=5.0)
+        self.sig = sig
+        self.pids: list[int] = []
+
+    def start_replica(self, launch: Any, plan: Any, rank: int) -> LocalReplicaHandle:
+        handle = super().start_replica(launch, plan, rank)
+        self.pids.append(handle.pid)
+        if rank == 1:
+            os.kill(os.getpid(), self.sig)
+            time.sleep(0.2)  # the handler runs here, between bytecodes, unless it is held
+        return handle
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupt_while_a_replica_starts_stops_every_started_replica(tmp_path: Path, sig: signal.Signals) -> None:
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    executor = InterruptedWhileStarting(sig)
+    previous = signal.signal(sig, raise_interrupted)
+    try:
+        with pytest.raises(Interrupted):
+            executor.launch_replicas(behave("--sleep", "60"), world_size=3, uri=str(tmp_path))
+    finally:
+        signal.signal(sig, previous)
+    assert signal.getsignal(sig) is previous  # the held handler was put back
+    assert len(executor.pids) == 2  # rank 2 never started
+    assert not any(pid_alive(pid) for pid in executor.pids)  # rank 1 included: started, then stopped, not orphaned
 
 
 def test_local_executor_cannot_start_names_the_replica_and_command(tmp_path: Path) -> None:

@@ -161,11 +161,17 @@ class ThreadCall:
             assert self._thread.ident is not None
             ident = ctypes.c_ulong(self._thread.ident)
             # A thread the body is starting (its replica's output pumps) carries the body's ident until it runs
-            # (CPython <= 3.12), so the exception can land on two threads: undo and retry until it lands on one.
+            # (CPython <= 3.12), so an exception set then lands on both. Such a thread sits in threading's limbo
+            # from `start()` until it runs, and enters it under `_active_limbo_lock`: hold that lock and set the
+            # exception only while limbo is empty.
             deadline = time.monotonic() + 30
-            while ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, ctypes.py_object(exc)) != 1:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, None)
-                assert time.monotonic() < deadline, "the body's thread could not be interrupted alone"
+            while True:
+                with threading._active_limbo_lock:  # type: ignore[attr-defined]
+                    if not threading._limbo:  # type: ignore[attr-defined]
+                        hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, ctypes.py_object(exc))
+                        assert hit == 1, f"the exception reached {hit} threads"
+                        return
+                assert time.monotonic() < deadline, "the body kept starting threads for 30 s"
                 time.sleep(0.001)
 
     def cancel(self, terminate_containers: bool = False) -> None:

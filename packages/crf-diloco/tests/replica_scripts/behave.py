@@ -47,8 +47,10 @@ def main() -> None:
     for i in range(args.lines):
         print(f"line {i} of rank {rank}")
     if args.pidfile_dir:
-        with open(os.path.join(args.pidfile_dir, f"rank{rank}.pid"), "w") as f:
+        path = os.path.join(args.pidfile_dir, f"rank{rank}.pid")
+        with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)  # a reader never sees it empty
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.grandchild_pidfile:

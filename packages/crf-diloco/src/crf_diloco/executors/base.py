@@ -31,6 +31,7 @@ from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from crf_diloco._checks import is_int, is_number
 from crf_diloco.auth import launch_secret
+from crf_diloco.executors._interrupts import interrupts_held
 from crf_diloco.layout import validate_name
 from crf_diloco.replica_env import ENV_SECRET, replica_environment
 
@@ -292,7 +293,8 @@ class ExecutorBase(ABC, Generic[P, L, H]):
         handles: list[H] = []
         try:
             for rank in range(plan.world_size):
-                handles.append(self.start_replica(launch, plan, rank))
+                with interrupts_held():  # a Ctrl-C/SIGTERM raises once the started replica's handle is recorded
+                    handles.append(self.start_replica(launch, plan, rank))
         except BaseException as exc:
             self.terminate(handles)
             self.abort_launch(launch)
