@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from crf_diloco.link import parse_rate, parse_seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SUPPORT = ROOT / "packages" / "crf-diloco" / "tests"  # s3_server.py and wan_proxy.py (test support)
 SECRET = "crf-diloco-wan-benchmark-secret-" * 2
@@ -52,19 +54,9 @@ def _parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * mult)
 
 
-def _parse_rate(text: str) -> float | None:
-    """``50MB/s`` -> 50e6 bytes/s; ``none`` -> no cap."""
-    text = text.strip()
-    if text.lower() in ("none", "0", ""):
-        return None
-    number = text.upper().removesuffix("/S").removesuffix("B")
-    mult = {"K": 1e3, "M": 1e6, "G": 1e9}.get(number[-1:], 1.0)
-    return float(number.rstrip("KMG")) * mult
-
-
-def _parse_seconds(text: str) -> float:
-    text = text.strip().lower()
-    return float(text[:-2]) / 1000 if text.endswith("ms") else float(text.rstrip("s"))
+def _cap(text: str) -> float | None:
+    """``50MB/s`` -> 50e6 bytes/s; ``none`` or ``0`` -> no cap."""
+    return None if text.strip().lower() in ("none", "0", "") else parse_rate(text)
 
 
 def _free_port() -> int:
@@ -254,10 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--codecs", default="fp32,int8,int4,topk", help="comma-separated codecs (fp32: none)")
     parser.add_argument("--numel", type=_parse_size, default=_parse_size("1M"), help="fp32 elements per replica")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per codec (after one warm-up)")
-    parser.add_argument("--rtt", type=_parse_seconds, default=0.040, help="added round-trip time, e.g. 40ms")
-    parser.add_argument("--link", type=_parse_rate, default=50e6, help="bytes/s per replica link, e.g. 50MB/s")
-    parser.add_argument("--per-connection", type=_parse_rate, default=None, help="bytes/s per connection")
-    parser.add_argument("--total", type=_parse_rate, default=None, help="bytes/s over all links together")
+    parser.add_argument("--rtt", type=parse_seconds, default=0.040, help="added round-trip time, e.g. 40ms")
+    parser.add_argument("--link", type=_cap, default=50e6, help="bytes/s per replica link, e.g. 50MB/s")
+    parser.add_argument("--per-connection", type=_cap, default=None, help="bytes/s per connection")
+    parser.add_argument("--total", type=_cap, default=None, help="bytes/s over all links together")
     parser.add_argument("--connect-rtts", type=float, default=0.0,
                         help="round trips a new connection pays (default 0: moto's server closes every connection "
                              "after one response, which S3 does not, so a handshake per request would be charged "

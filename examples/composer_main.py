@@ -126,6 +126,16 @@ def _storage_option(text: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
+def _link(text: str) -> Any:
+    """``--link RTT,BANDWIDTH`` → crf-diloco's ``Link`` (e.g. ``40ms,50MB/s``)."""
+    from crf_diloco.link import Link
+
+    try:
+        return Link.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _channels(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [n for n in names if n not in CHANNELS]
@@ -165,6 +175,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--executor", choices=("local", "ray", "monarch"), default="local",
         help="how replica processes start: crf-diloco's local or Ray executor, or Monarch actors (torchmonarch)")  # fmt: skip
     add("--store", default=None, help="fsspec URI of the object store (default: <output-dir>/store)")
+    add("--link", type=_link, default=None, metavar="RTT,BANDWIDTH",
+        help="the network between the replicas and --store, e.g. 40ms,50MB/s: the report then sets each DiLoCo "
+             "sync's time against its floor on that link (bytes / bandwidth + sequential round trips x RTT)")  # fmt: skip
     add("--storage-option", dest="storage_options", type=_storage_option, action="append", default=[],
         metavar="KEY=VALUE", help="fsspec option of --store, repeatable; VALUE is parsed as JSON when it is JSON")  # fmt: skip
     add("--model", default="tiny", choices=("tiny", "smollm2-135m"), help="policy to train")

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -326,6 +326,7 @@ def _report(
         numerics=run.numerics,
         hard=tuple(data.hard),
         title=kind.heading,
+        link=opts.link,
     )
     section = kind.section(outcome, before, after)
     print(summary_table(outcome), flush=True)
@@ -346,8 +347,10 @@ def _result(outcome: JobOutcome) -> dict[str, Any]:
     """``result.json``: the figures of the run (what the ablation and the docs read); a kind's `Section` adds
     keys."""
     from main_job.evaluate import Change
+    from main_job.report import SyncSummary
 
     before, after, change = outcome.before, outcome.after, outcome.change
+    syncs = {r.rank: SyncSummary.of(r.syncs, outcome.link) for r in outcome.replicas}
     return {
         "channels": list(outcome.channels),
         "seed": outcome.seed,
@@ -361,6 +364,7 @@ def _result(outcome: JobOutcome) -> dict[str, Any]:
         "samples": before.samples,
         "seconds": outcome.seconds,
         "numerics": outcome.numerics,
+        "syncs": {str(rank): None if summary is None else asdict(summary) for rank, summary in syncs.items()},
         "subsets": {
             name: {
                 "tasks": len(b.tasks),

@@ -23,6 +23,7 @@ __all__ = [
     "JobSpec",
     "ReplicaReport",
     "StepRecord",
+    "SyncStat",
     "check_schedule",
     "compression",
     "read_record",
@@ -171,9 +172,22 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class SyncStat:
+    """One DiLoCo sync of one replica (crf-diloco's ``SyncRecord``): its last round, whether it committed, the wall
+    seconds of its rounds and vote, the megabytes its store moved meanwhile and the sequential round trips that
+    found something (``Traffic.busy_round_trips``)."""
+
+    round: int | None
+    committed: bool
+    seconds: float
+    megabytes: float
+    round_trips: int
+
+
+@dataclass(frozen=True)
 class ReplicaReport:
     """How one replica's training went: its steps, DiLoCo rounds committed, bytes through the store,
-    wall time, and a SHA-256 of its final weights (equal on every replica after the last round)."""
+    wall time, a SHA-256 of its final weights (equal on every replica after the last round) and its syncs."""
 
     rank: int
     history: tuple[StepRecord, ...]
@@ -182,11 +196,13 @@ class ReplicaReport:
     bytes_read: int
     seconds: float
     weights_sha256: str
+    syncs: tuple[SyncStat, ...] = ()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ReplicaReport:
         history = tuple(StepRecord(**row) for row in data["history"])
-        return cls(**{**data, "history": history})
+        syncs = tuple(SyncStat(**row) for row in data["syncs"])
+        return cls(**{**data, "history": history, "syncs": syncs})
 
 
 T = TypeVar("T", JobSpec, ReplicaReport)

@@ -27,6 +27,7 @@ from main_job.records import (
     JobSpec,
     ReplicaReport,
     StepRecord,
+    SyncStat,
     compression,
     read_record,
     write_record,
@@ -212,6 +213,16 @@ def run_replica(job: Path) -> ReplicaReport:
         bytes_read=allreduce.bytes_read,
         seconds=time.monotonic() - start,
         weights_sha256=weights_digest(policy),
+        syncs=tuple(
+            SyncStat(
+                s.round_id,
+                s.committed,
+                s.seconds,
+                (s.traffic.bytes_read + s.traffic.bytes_written) / 1e6,
+                s.traffic.busy_round_trips,
+            )
+            for s in manager.syncs
+        ),
     )
     if rank == 0:
         save_policy(policy, tokenizer, output / "final")

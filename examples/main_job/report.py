@@ -7,12 +7,17 @@ rounds and megabytes through the store.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from main_job.evaluate import Change, PassRate
-from main_job.records import CHANNELS, ReplicaReport
+from main_job.records import CHANNELS, ReplicaReport, SyncStat
+
+if TYPE_CHECKING:
+    from crf_diloco.link import Link
 
 __all__ = ["JobOutcome", "plot", "summary_markdown", "summary_table", "window"]
 
@@ -44,6 +49,8 @@ class JobOutcome:
     """Names of the held-out tasks in the hard subset."""
     title: str = "crf main job"
     """The heading of ``summary.md`` (the job's kind: ``main_job.job.Kind.heading``)."""
+    link: Link | None = None
+    """The network to the store (``--link``): each sync's time is then set against its floor on it."""
 
     @property
     def change(self) -> Change:
@@ -84,17 +91,51 @@ def _losses(report: ReplicaReport, channel: str) -> list[float]:
     return [row.losses[channel] for row in report.history if channel in row.losses]
 
 
+@dataclass(frozen=True)
+class SyncSummary:
+    """One replica's DiLoCo syncs in medians: MB and sequential round trips per sync, seconds per sync, and with a
+    link its floor (``Link.floor_s``) and the sync's time over it (the median of the per-sync ratios)."""
+
+    megabytes: float
+    round_trips: float
+    seconds: float
+    floor: float | None
+    ratio: float | None
+
+    @classmethod
+    def of(cls, syncs: Sequence[SyncStat], link: Link | None) -> SyncSummary | None:
+        if not syncs:
+            return None
+        floors = [link.floor_s(s.megabytes * 1e6, s.round_trips) for s in syncs] if link is not None else None
+        return cls(
+            statistics.median(s.megabytes for s in syncs),
+            statistics.median(s.round_trips for s in syncs),
+            statistics.median(s.seconds for s in syncs),
+            None if floors is None else statistics.median(floors),
+            None if floors is None else statistics.median(s.seconds / f for s, f in zip(syncs, floors, strict=True)),
+        )
+
+    def cells(self) -> list[str]:
+        """Sync s, floor s and sync/floor as table cells ("n/a" without a link)."""
+        floor = "n/a" if self.floor is None else f"{self.floor:.3f}"
+        ratio = "n/a" if self.ratio is None else f"{self.ratio:.2f}"
+        return [f"{self.seconds:.3f}", floor, ratio]
+
+
 def summary_table(outcome: JobOutcome) -> str:
     """One row per replica: reward and each channel's loss over the first → last fifth, rounds, MB, time."""
     n = window(outcome.steps)
     header = ["replica", f"reward (first {n} -> last {n} steps)"]
     header += [f"{c} loss" for c in outcome.channels] + ["rounds", "MB synced", "time s"]
+    header += ["sync s", "floor s", "sync/floor"]
     rows = []
     for r in outcome.replicas:
         first, last = ends([row.reward for row in r.history])
         cells = [str(r.rank), f"{first:.3f} -> {last:.3f}"]
         cells += [_span(_losses(r, c)) for c in outcome.channels]
         cells += [str(r.rounds_committed), f"{(r.bytes_written + r.bytes_read) / 1e6:.2f}", f"{r.seconds:.0f}"]
+        summary = SyncSummary.of(r.syncs, outcome.link)
+        cells += summary.cells() if summary is not None else ["n/a"] * 3
         rows.append(cells)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     line = "+".join("-" * (w + 2) for w in widths)
@@ -122,6 +163,43 @@ def _verdict(change: Change) -> str:
     if hi < 0:
         return "a DROP beyond noise"
     return "within noise"
+
+
+def _syncs_section(outcome: JobOutcome) -> list[str]:
+    """``summary.md``'s DiLoCo syncs: per replica, medians of MB, round trips and seconds per sync, and with
+    ``--link`` each sync's time against its floor on that link."""
+    link = outcome.link
+    if link is None:
+        where = (
+            "Run with `--link RTT,BANDWIDTH` (the network to the store, e.g. `40ms,50MB/s`) to set each sync's time "
+            "against its floor there."
+        )
+    else:
+        where = (
+            f"Link to the store: {link}; a sync's floor is its MB / bandwidth + its round trips × RTT, the least time "
+            "that network allows it."
+        )
+    lines = [
+        "",
+        "## DiLoCo syncs",
+        "",
+        "Medians per sync (rounds and vote; round trips: sequential request waves that found something). " + where,
+        "",
+        "| replica | syncs (committed) | MB per sync | round trips per sync | sync s | floor s | sync / floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in outcome.replicas:
+        summary = SyncSummary.of(r.syncs, link)
+        committed = sum(s.committed for s in r.syncs)
+        if summary is None:
+            lines.append(f"| {r.rank} | 0 | n/a | n/a | n/a | n/a | n/a |")
+            continue
+        lines.append(
+            f"| {r.rank} | {len(r.syncs)} ({committed}) | {summary.megabytes:.3f} | {summary.round_trips:g} | "
+            + " | ".join(summary.cells())
+            + " |"
+        )
+    return lines
 
 
 def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
@@ -170,6 +248,7 @@ def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
         mb = (r.bytes_written + r.bytes_read) / 1e6
         per_round = mb / max(1, r.rounds_committed)
         lines.append(f"| {r.rank} | " + " | ".join(cells) + f" | {r.rounds_committed} | {mb:.2f} | {per_round:.3f} |")
+    lines += _syncs_section(outcome)
     same = "bit-identical" if outcome.identical_weights else "**different** (a round did not commit everywhere)"
     phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in outcome.phases.items())
     lines += [

@@ -35,6 +35,7 @@ def _check_run(outcome: Any, out: Path, printed: str, steps: int, sync_every: in
             values = [row.losses.get(channel) for row in r.history]
             assert all(v is not None and math.isfinite(v) for v in values), (r.rank, channel, values)
         assert r.rounds_committed == steps // sync_every
+        assert [s.committed for s in r.syncs] == [True] * (steps // sync_every)
         assert r.bytes_written > 0
         assert r.bytes_read > 0
     assert outcome.identical_weights  # the last DiLoCo round leaves every replica with the same weights
@@ -58,6 +59,8 @@ def _check_run(outcome: Any, out: Path, printed: str, steps: int, sync_every: in
     summary = (out / "summary.md").read_text()
     assert "## Held-out pass rate" in summary
     assert "95% interval" in summary
+    assert "## DiLoCo syncs" in summary
+    assert "Run with `--link RTT,BANDWIDTH`" in summary  # no link given: no floor, and how to get one
     assert (out / "trace_pairs.jsonl").read_text().count("\n") == 112
     result = json.loads((out / "result.json").read_text())
     assert set(result["subsets"]) == {"all", "easy", "hard"}
@@ -209,6 +212,7 @@ def test_main_job_quick_s3(
     ]
     argv = ["--quick", "--output-dir", str(tmp_path), "--store", store, "--run-id", "s3-quick"]
     argv += ["--codec", "topk", "--sync-every", "4", "--sync-delay", "2"]  # one round, overlapped with one step
+    argv += ["--link", "40ms,50MB/s"]  # the report sets each sync against its floor on that link
     argv += [x for option in options for x in ("--storage-option", option)]
     outcome = composer_main.main(argv)
     printed = capsys.readouterr().out
@@ -223,6 +227,21 @@ def test_main_job_quick_s3(
         assert r.bytes_written > 0
         assert r.bytes_read > 0
     assert len({r.weights_sha256 for r in outcome.replicas}) == 1  # the overlapped rounds still agree bit for bit
+    for r in outcome.replicas:  # the sync's record: committed, its megabytes and round trips as the store counted
+        (sync,) = r.syncs
+        assert sync.committed
+        assert 0 < sync.megabytes * 1e6 <= r.bytes_written + r.bytes_read
+        assert sync.round_trips >= 3  # announce, payload, decision at least
+        assert sync.seconds > 0
+    header = next(line for line in printed.splitlines() if line.startswith(" replica |"))
+    assert "sync/floor" in header
+    result = json.loads((tmp_path / "result.json").read_text())
+    for rank, r in enumerate(outcome.replicas):
+        (sync,) = r.syncs
+        floor = sync.megabytes * 1e6 / 50e6 + sync.round_trips * 0.040
+        assert result["syncs"][str(rank)]["floor"] == pytest.approx(floor)
+        assert result["syncs"][str(rank)]["ratio"] == pytest.approx(sync.seconds / floor)
+    assert "Link to the store: 40 ms, 50 MB/s" in (tmp_path / "summary.md").read_text()
     listed = moto_s3["client"].list_objects_v2(Bucket=moto_s3["bucket"], Prefix="runs/s3-quick/")
     assert listed.get("Contents"), "nothing was written under the run's prefix in the bucket"
     assert not (tmp_path / "store").exists()  # nothing fell back to the local folder

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
-from crf_diloco import MockManager, ObjectStoreAllReduce
+from crf_diloco import MockManager, ObjectStoreAllReduce, SyncRecord
 
 RunReplicas = Callable[..., list[Any]]
 WORLD, FRAGMENTS, SYNC_EVERY, DELAY, STEPS = (
@@ -157,7 +157,7 @@ def test_work_of_a_failed_background_round_returns_false_and_the_sync_aborts_eve
     answers False (one decision); the next sync commits everywhere."""
     fault_rule("write", lambda p: "r00000000/data/1." in p, "oserror", count=10_000)
 
-    def replica(rank: int) -> tuple[bool, list[str], bool, bool]:
+    def replica(rank: int) -> tuple[bool, list[str], bool, bool, tuple[SyncRecord, ...], int]:
         ar = ObjectStoreAllReduce("crffaulty://fails", rank, 2, timeout=20, quorum_timeout=20, retries=0)
         manager = MockManager(ar)
         seen: list[str] = []
@@ -173,7 +173,7 @@ def test_work_of_a_failed_background_round_returns_false_and_the_sync_aborts_eve
         work.wait()
         second = manager.should_commit()
         manager.shutdown()
-        return ok, seen, first, second
+        return ok, seen, first, second, manager.syncs, ar.bytes_written
 
     results = run_replicas(replica, 2, timeout=120)
     assert results[1][0] is False, "the failed round's work says so, without raising"
@@ -181,6 +181,13 @@ def test_work_of_a_failed_background_round_returns_false_and_the_sync_aborts_eve
     assert [r[3] for r in results] == [True, True], "the next sync commits"
     assert all(len(r[1]) == 1 for r in results), "every future completed once and ran its .then callback"
     assert results[1][1] == ["done 1.0"], "a failed round leaves the tensor unchanged"
+    for *_, syncs, written in results:  # each sync's record: its outcome, time and store traffic
+        assert [s.committed for s in syncs] == [False, True]
+        assert syncs[1].round_id is not None
+        assert syncs[1].round_id > (syncs[0].round_id or 0)
+        assert all(s.seconds > 0 and s.traffic.busy_round_trips >= 1 for s in syncs)
+        assert syncs[1].traffic.bytes_written >= 4 * 4  # its payload, at least
+        assert sum(s.traffic.bytes_written for s in syncs) <= written
 
 
 def test_overlap_must_be_a_bool(memory_uri: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from wan_proxy import CHUNK, WanLink, WanProxy, _Pacer
 
-from crf_diloco import ObjectStoreAllReduce
+from crf_diloco import Link, MockManager, ObjectStoreAllReduce
 
 SECRET = "wan-proxy-test-secret-0123456789abcdef"
 
@@ -145,3 +145,49 @@ def test_an_s3_round_through_the_proxy_commits_and_is_counted(moto_s3: dict[str,
         assert torch.equal(t, torch.full((4096,), 0.5))
         assert stats[rank].bytes >= traffic.bytes_read + traffic.bytes_written > 4 * 4096
         assert 0 < traffic.round_trips < traffic.requests, "overlapping requests share a round trip"
+
+
+def test_a_sync_over_the_wan_takes_at_least_its_floor(moto_s3: dict[str, Any]) -> None:
+    """`MockManager.syncs` against a real delay line: each sync's recorded time is at least the floor its own counts
+    give on that link (``bytes / bandwidth + busy round trips x rtt``), so neither the round trips nor the bytes are
+    over-counted, and the sync's bytes all crossed the proxy."""
+    rtt, rate, syncs = 0.030, 20e6, 3
+    link = Link(rtt, rate)
+    host, port = moto_s3["endpoint"].removeprefix("http://").split(":")
+    uri = f"s3://{moto_s3['bucket']}/floor-{uuid.uuid4().hex[:8]}"
+    with WanProxy((host, int(port)), links=2, link=WanLink(rtt=rtt, per_link=rate), lifetime=300) as proxy:
+        options = [{**moto_s3["storage_options"], "endpoint_url": f"http://127.0.0.1:{p}"} for p in proxy.ports]
+        out: list[Any] = [None, None]
+
+        def replica(rank: int) -> None:
+            ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=120, storage_options=options[rank])
+            manager = MockManager(ar, checkpoint=False)
+            for _ in range(syncs):
+                manager.start_quorum()
+                work = manager.allreduce(torch.full((65536,), float(rank)))
+                manager.current_step()  # the round starts in the background
+                assert work.wait()
+                assert manager.should_commit()
+            manager.shutdown()
+            out[rank] = (manager.syncs, ar.store.traffic())
+            ar.close()
+
+        threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        stats = proxy.snapshot()
+    for rank, (records, total) in enumerate(out):
+        assert [r.committed for r in records] == [True] * syncs
+        for r in records:
+            moved = r.traffic.bytes_read + r.traffic.bytes_written
+            assert moved > 65536 * 4  # the payload up, the reduced shard and the other's shard down
+            assert r.traffic.busy_round_trips >= 3  # announce, payload, decision: a round cannot take fewer
+            floor = link.floor_s(moved, r.traffic.busy_round_trips)
+            print(rank, r.round_id, round(r.seconds, 3), round(floor, 3), r.traffic)
+            assert r.seconds >= floor, (rank, r, floor)
+        assert stats[rank].bytes >= sum(r.traffic.bytes_read + r.traffic.bytes_written for r in records)
+        assert total.bytes_read + total.bytes_written >= sum(
+            r.traffic.bytes_read + r.traffic.bytes_written for r in records
+        )

@@ -33,7 +33,8 @@ _EXPORTS = {
         "raise_for_failures",
         "run_replicas",
     ),
-    "crf_diloco.manager": ("DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork"),
+    "crf_diloco.link": ("Link",),
+    "crf_diloco.manager": ("DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork", "SyncRecord"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -43,6 +44,7 @@ __all__ = [
     "CorruptObjectError",
     "HFJobsExecutor",
     "HealError",
+    "Link",
     "LocalProcessExecutor",
     "MockManager",
     "ModalExecutor",
@@ -58,6 +60,7 @@ __all__ = [
     "RoundTimeoutError",
     "ServerlessExecutor",
     "StoreBackendMissingError",
+    "SyncRecord",
     "__version__",
     "raise_for_failures",
     "run_replicas",
@@ -86,7 +89,8 @@ if TYPE_CHECKING:
         raise_for_failures,
         run_replicas,
     )
-    from crf_diloco.manager import DILOCO_MANAGER_SURFACE, MockManager, ObjectStoreWork
+    from crf_diloco.link import Link
+    from crf_diloco.manager import DILOCO_MANAGER_SURFACE, MockManager, ObjectStoreWork, SyncRecord
 
 
 def __getattr__(name: str) -> Any:

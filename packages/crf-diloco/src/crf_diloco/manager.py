@@ -16,7 +16,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -27,9 +29,10 @@ from torch.distributed import ReduceOp
 from crf_diloco.allreduce import ObjectStoreAllReduce
 from crf_diloco.errors import AllReduceError, PayloadMismatchError
 from crf_diloco.healing import MANAGER_KEY, plan_heal
+from crf_diloco.store import Traffic
 from crf_diloco.wire import Blob
 
-__all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork"]
+__all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork", "SyncRecord"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +48,22 @@ DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
     "should_commit",
     "start_quorum",
 )
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """One sync as this replica saw it (`MockManager.syncs`).
+
+    ``round_id``: its last object-store round; ``committed``: the store-wide vote; ``seconds``: wall time of its
+    rounds and vote (not of the training they overlapped); ``traffic``: what this replica's store carried meanwhile
+    (background work of the protocol included). With a `crf_diloco.link.Link`, ``link.floor_s(traffic.bytes_read +
+    traffic.bytes_written, traffic.busy_round_trips)`` is the time the sync could not beat on that network.
+    """
+
+    round_id: int | None
+    committed: bool
+    seconds: float
+    traffic: Traffic
 
 
 class _FlushingFuture(torch.futures.Future[Any]):
@@ -216,6 +235,9 @@ class MockManager:
         self._stale = False
         self._participants: list[int] = []
         self._snapshots = allreduce.snapshots()
+        self._sync_seconds = 0.0
+        self._sync_traffic = Traffic()
+        self._syncs: list[SyncRecord] = []
 
     # -- identity / quorum -------------------------------------------------------------------
     @property
@@ -250,6 +272,7 @@ class MockManager:
         self._ensure_checkpoint()
         if self._allreduce.open_rounds:  # a sync that never reached should_commit(): vote it down
             self._vote(False, "the sync ended without should_commit()")
+        self._sync_seconds, self._sync_traffic = 0.0, Traffic()  # a sync that never ended is not recorded
         self._errored = None
         self._rounds_ok = []
         if allow_heal:
@@ -339,6 +362,20 @@ class MockManager:
         return work
 
     @property
+    def syncs(self) -> tuple[SyncRecord, ...]:
+        """Every sync this manager ended (`should_commit`), oldest first."""
+        return tuple(self._syncs)
+
+    def _timed(self, work: Callable[[], T]) -> T:
+        """Run ``work``, adding its wall time and store traffic to the current sync's."""
+        before, start = self._allreduce.store.traffic(), time.perf_counter()
+        try:
+            return work()
+        finally:
+            self._sync_seconds += time.perf_counter() - start
+            self._sync_traffic += self._allreduce.store.traffic() - before
+
+    @property
     def syncing(self) -> bool:
         """True while a sync's rounds are queued (``allreduce`` called, not yet started) or running."""
         return bool(self._pending) or (self._job is not None and not self._job.done())
@@ -381,6 +418,9 @@ class MockManager:
             self._job = None
 
     def _run_rounds(self, pending: list[tuple[torch.Tensor, ObjectStoreWork, str, str | None]]) -> None:
+        self._timed(lambda: self._run_groups(pending))
+
+    def _run_groups(self, pending: list[tuple[torch.Tensor, ObjectStoreWork, str, str | None]]) -> None:
         """Run queued tensors as object-store rounds (one per (op, compression) group, in order). Never raises: an
         error goes to ``report_error``; after one that is not a round's failure (e.g. `PayloadMismatchError`) the
         remaining groups do not run, and every work completes (False unless its round ran)."""
@@ -456,9 +496,13 @@ class MockManager:
             reason = f"{self.num_participants()} participant(s) < min_replica_size={self._min_replica_size}"
         else:
             reason = "a round of this sync failed"
-        ok = self._vote(local_ok, reason) and local_ok
+        ok = self._timed(lambda: self._vote(local_ok, reason)) and local_ok
         info = self._allreduce.last_round
         self._rounds_ok = []
+        self._syncs.append(
+            SyncRecord(info.round_id if info is not None else None, ok, self._sync_seconds, self._sync_traffic)
+        )
+        self._sync_seconds, self._sync_traffic = 0.0, Traffic()
         if ok:
             self._step += 1
             self._batches_committed += self.num_participants()

@@ -156,6 +156,14 @@ class Traffic:
     def __sub__(self, other: Traffic) -> Traffic:
         return Traffic(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @property
+    def busy_round_trips(self) -> int:
+        """Sequential request waves that found something (``round_trips - idle_round_trips``)."""
+        return self.round_trips - self.idle_round_trips
+
 
 class ObjectStore:
     """Keys under one prefix of an fsspec filesystem.
