@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import json
@@ -221,17 +222,20 @@ class Interrupted(BaseException):
 class InterruptedWhileStarting(LocalProcessExecutor):
     """Delivers ``sig`` to this process right after rank 1's child exists, before its handle is returned."""
 
-    def __init__(self, sig: signal.Signals) -> None:
+    def __init__(self, sig: signal.Signals, times: int = 1) -> None:
         super().__init__(terminate_grace_s=5.0)
-        self.sig = sig
+        self.sig, self.times = sig, times
         self.pids: list[int] = []
+        self.returned = 0
 
     def start_replica(self, launch: Any, plan: Any, rank: int) -> LocalReplicaHandle:
         handle = super().start_replica(launch, plan, rank)
         self.pids.append(handle.pid)
         if rank == 1:
-            os.kill(os.getpid(), self.sig)
-            time.sleep(0.2)  # the handler runs here, between bytecodes, unless it is held
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.sig)
+                time.sleep(0.2)  # the handler runs here, between bytecodes, unless it is held
+        self.returned += 1
         return handle
 
 
@@ -250,6 +254,25 @@ def test_an_interrupt_while_a_replica_starts_stops_every_started_replica(tmp_pat
     assert signal.getsignal(sig) is previous  # the held handler was put back
     assert len(executor.pids) == 2  # rank 2 never started
     assert not any(pid_alive(pid) for pid in executor.pids)  # rank 1 included: started, then stopped, not orphaned
+    assert executor.returned == 2  # the interrupt waited for rank 1's start to return
+
+
+def test_a_second_interrupt_is_not_held_back_by_a_start_that_hangs(tmp_path: Path) -> None:
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    executor = InterruptedWhileStarting(signal.SIGINT, times=2)
+    previous = signal.signal(signal.SIGINT, raise_interrupted)
+    try:
+        with pytest.raises(Interrupted):
+            executor.launch_replicas(behave("--sleep", "60"), world_size=3, uri=str(tmp_path))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for pid in executor.pids:  # rank 1's start never returned its handle: this test stops it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    assert executor.returned == 1  # raised inside rank 1's start, at the second Ctrl-C
+    assert signal.getsignal(signal.SIGINT) is previous
 
 
 def test_local_executor_cannot_start_names_the_replica_and_command(tmp_path: Path) -> None:
