@@ -20,8 +20,8 @@ __all__ = ["gather"]
 def gather(peer: Peer, rnd: Round, done: set[int], cover: Callable[[int], None] | None) -> torch.Tensor:
     """Read every reduced shard not in ``done`` into the result buffer and return it.
 
-    Every missing shard is read at once, with the round's decision beside them (one round trip per poll over a
-    network). ``cover(shard)`` computes and creates a missing shard; it is called for the lowest missing one once
+    Every missing shard is read at once, with the round's decision beside them when due (`Round.decision_due`; one
+    round trip per poll over a network). ``cover(shard)`` computes and creates a missing shard; it is called for the lowest missing one once
     ``straggler_grace`` seconds of the data phase passed (``None``: never cover, e.g. a replica following a commit).
     Raises when the round was decided meanwhile, one of this round's writes failed, a shard is corrupt, or the data
     deadline passed with shards missing (`RoundFailure`)."""
@@ -46,7 +46,9 @@ def gather(peer: Peer, rnd: Round, done: set[int], cover: Callable[[int], None] 
 
     def probe(late: bool) -> torch.Tensor | None:
         missing = [k for k in range(plan.n_shards) if k not in done]
-        *found, decided = peer.outcomes([*(partial(read, k) for k in missing), check_decided])
+        due = [check_decided] if rnd.decision_due(late) else []
+        found = peer.outcomes([*(partial(read, k) for k in missing), *due])
+        decided = found.pop() if due else None
         for k, ok in zip(missing, found, strict=True):
             if isinstance(ok, BaseException):
                 raise ok

@@ -98,7 +98,9 @@ def fetch_slices(peer: Peer, rnd: Round, shard: int, ranks: list[int], first_int
                 fills, prefetched = prefetch_payload_shard(peer.store, keys.data(r), plan, shard, *where(r))
                 spans[r] = (len(calls), len(calls) + len(fills), prefetched)
                 calls += fills
-        *found, decided = peer.outcomes([*calls, partial(_check_decided, peer, rnd)])
+        due = [partial(_check_decided, peer, rnd)] if rnd.decision_due(late) else []
+        found = peer.outcomes([*calls, *due])
+        decided = found.pop() if due else None
         for r, (first, last, prefetched) in spans.items():
             if all(ok is True for ok in found[first:last]):  # objects are never rewritten: bytes read stay theirs
                 kept[r] = prefetched

@@ -23,6 +23,10 @@ T = TypeVar("T")
 Pending = list["concurrent.futures.Future[None]"]
 
 
+DECISION_GAP = 0.25
+"""Seconds between two reads of a round's decision while its data phase waits (`Round.decision_due`)."""
+
+
 @dataclass(frozen=True)
 class RoundSettings:
     """The replica's settings as the round began (a caller may change them between rounds)."""
@@ -56,6 +60,7 @@ class Round:
     contributed: bool = False
     started: float = 0.0
     deadline: float = math.inf
+    decision_read: float = 0.0
     pending: Pending = field(default_factory=list)
     staged: tuple[str, torch.Tensor] | None = None
 
@@ -84,8 +89,19 @@ class Round:
 
     def start_data_phase(self) -> None:
         """Start the data phase's clock: every wait of it ends ``timeout`` seconds from now."""
-        self.started = time.monotonic()
+        self.started = self.decision_read = time.monotonic()
         self.deadline = self.started + self.settings.timeout
+
+    def decision_due(self, late: bool) -> bool:
+        """Whether this poll of the data phase reads the round's decision beside its data: once `DECISION_GAP`
+        seconds passed since the phase began or the last such read, and always once ``late``. A healthy round's data
+        arrives sooner, so its polls send no decision reads (each a request the bucket serves and bills, and the
+        client pays a few ms of CPU for); a round aborted meanwhile is noticed within the gap."""
+        now = time.monotonic()
+        if late or now - self.decision_read >= DECISION_GAP:
+            self.decision_read = now
+            return True
+        return False
 
     def check_writes(self) -> None:
         """Raise `RoundFailure` as soon as one of this round's background writes failed."""
