@@ -128,3 +128,41 @@ def test_s3_forged_object_aborts_then_the_run_goes_on(moto_s3: dict[str, Any], r
     for first, ok in run_replicas(replica, 2, timeout=120):
         assert "r00000000/data/1.safetensors" in first
         assert ok
+
+
+def test_s3_garbage_collection_keeps_only_tombstones_in_few_requests(
+    moto_s3: dict[str, Any], run_replicas: RunReplicas
+) -> None:
+    """On S3 an old round is collected with one recursive listing and two bulk deletes (the quorum first, then the
+    rest), never touching its decision (the tombstone) or the rounds still kept."""
+    uri = _uri(moto_s3)
+
+    def replica(rank: int) -> None:
+        with ObjectStoreAllReduce(
+            uri, rank, 2, timeout=30, keep_rounds=2, storage_options=moto_s3["storage_options"], secret=SECRET
+        ) as ar:
+            for i in range(5):
+                ar.allreduce(torch.full((10,), float(rank + i)))
+        # close() waits for the background garbage collection
+
+    run_replicas(replica, 2, timeout=120)
+    store = ObjectStore(f"{uri}/default", moto_s3["storage_options"])
+    left = store.list_tree("")
+    for r in range(3):  # collected: the decision alone
+        assert [k for k in left if k.startswith(f"r{r:08d}/")] == [f"r{r:08d}/decision.json"]
+    for r in (3, 4):  # kept whole
+        kept = {k.split("/", 1)[1] for k in left if k.startswith(f"r{r:08d}/")}
+        assert {"quorum.json", "decision.json", "data/0.safetensors", "data/1.safetensors"} <= kept
+        assert {"members/0.json", "members/1.json", "reduced/0.safetensors", "reduced/1.safetensors"} <= kept
+    from crf_diloco.rounds.frontier import collect
+    from crf_diloco.rounds.peer import Peer
+
+    peer = Peer(store, Authenticator(SECRET, "default"), 0, 2)
+    before = store.traffic()
+    collect(peer, 3, 2)
+    spent = store.traffic() - before
+    assert spent.requests == 3, spent  # list, delete the quorum, delete the rest
+    assert [k for k in store.list_tree("") if k.startswith("r00000003/")] == ["r00000003/decision.json"]
+    before = store.traffic()
+    collect(peer, 3, 2)  # again: nothing left to delete
+    assert (store.traffic() - before).requests == 1

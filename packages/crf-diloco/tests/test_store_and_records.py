@@ -197,3 +197,11 @@ def test_running_without_a_secret_warns_once(monkeypatch: pytest.MonkeyPatch, ca
     warnings = [r.getMessage() for r in caplog.records if r.name == "crf_diloco.auth"]
     assert len(warnings) == 1
     assert "the store must be trusted" in warnings[0]
+
+
+def test_bulk_listing_and_deleting_are_for_remote_stores_only(tmp_path: Any) -> None:
+    store = ObjectStore(str(tmp_path))
+    with pytest.raises(ValueError, match="list_names"):
+        store.list_tree("")
+    with pytest.raises(ValueError, match="remove_tree"):
+        store.remove_keys(["a"])

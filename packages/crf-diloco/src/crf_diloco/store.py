@@ -421,6 +421,28 @@ class ObjectStore:
             return []
         return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
+    def list_tree(self, key: str) -> list[str]:
+        """Every object under ``key`` of a remote store, relative to it, from one recursive listing (``[]`` if
+        none)."""
+        if not self.remote:
+            raise ValueError("list_tree is for remote stores; walk a local one with list_names")
+        root = self.path(key).rstrip("/")
+        try:
+            found = self._call(f"list {key}/**", lambda: self.fs.find(root))
+        except FileNotFoundError:
+            return []
+        return sorted(str(p)[len(root) + 1 :] for p in found if str(p).startswith(root + "/"))
+
+    def remove_keys(self, keys: Sequence[str]) -> None:
+        """Best-effort delete of ``keys`` of a remote store: one bulk request per 1000 (garbage collection never fails
+        a round)."""
+        if not self.remote:
+            raise ValueError("remove_keys is for remote stores; use remove_tree on a local one")
+        if keys:
+            paths = [self.path(k) for k in keys]
+            with contextlib.suppress(OSError, AllReduceError):
+                self._call(f"delete {len(paths)} objects", lambda: self.fs.rm(paths))
+
     def remove_tree(self, key: str) -> None:
         """Best-effort recursive delete (garbage collection never fails a round). On a local disk nothing behind a
         symbolic link is deleted."""

@@ -104,13 +104,20 @@ def collect(peer: Peer, round_id: int, keep_rounds: int) -> None:
     a replica that stalled or reads a lagging listing finds the round decided and never re-creates it. Nothing else
     under the prefix is touched."""
     keys = RoundKeys(round_id)
-    names = peer.store.list_names(keys.prefix)
+    remote = peer.store.remote  # one recursive listing and two bulk deletes instead of a listing and delete per part
+    names = peer.store.list_tree(keys.prefix) if remote else peer.store.list_names(keys.prefix)
     if not names:
         return
     if "decision.json" not in names:
         reason = f"collected by rank {peer.rank} after round {round_id + keep_rounds} was decided"
         record = DecisionRecord(round_id, "abort", reason, peer.rank, None, world_size=peer.world_size)
         peer.write_record(keys.decision, record)
-    for name in ROUND_PARTS:
-        if name in names:
-            peer.store.remove_tree(f"{keys.prefix}/{name}")
+    if not remote:
+        for name in ROUND_PARTS:
+            if name in names:
+                peer.store.remove_tree(f"{keys.prefix}/{name}")
+        return
+    doomed = [n for n in names if n.split("/", 1)[0] in ROUND_PARTS]
+    first = [n for n in doomed if n == ROUND_PARTS[0]]
+    for batch in (first, [n for n in doomed if n != ROUND_PARTS[0]]):
+        peer.store.remove_keys([f"{keys.prefix}/{n}" for n in batch])
