@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -119,28 +119,43 @@ def test_stops_by_itself_after_its_lifetime_and_closes_connections(echo: tuple[s
         proxy.start()
 
 
-def test_an_s3_round_through_the_proxy_commits_and_is_counted(moto_s3: dict[str, Any]) -> None:
-    """Two replicas on moto's S3 server, each through its own link: the round commits with the exact mean, every
-    byte the stores counted crossed the proxy, and concurrent requests share round trips."""
+def _two_replicas_through_a_proxy(
+    moto_s3: dict[str, Any], link: WanLink, replica: Callable[[ObjectStoreAllReduce], Any]
+) -> tuple[list[Any], Any]:
+    """Run ``replica(allreduce)`` for ranks 0 and 1 in threads, each on moto's S3 server through its own link of one
+    `WanProxy`, under a fresh prefix; return each rank's result and the proxy's per-link counts."""
     host, port = moto_s3["endpoint"].removeprefix("http://").split(":")
     uri = f"s3://{moto_s3['bucket']}/wan-{uuid.uuid4().hex[:8]}"
-    with WanProxy((host, int(port)), links=2, link=WanLink(rtt=0.005, per_link=100e6), lifetime=300) as proxy:
+    out: list[Any] = [None, None]
+    with WanProxy((host, int(port)), links=2, link=link, lifetime=300) as proxy:
         options = [{**moto_s3["storage_options"], "endpoint_url": f"http://127.0.0.1:{p}"} for p in proxy.ports]
-        out: list[Any] = [None, None]
 
-        def replica(rank: int) -> None:
+        def run(rank: int) -> None:
             ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=120, storage_options=options[rank])
-            t = torch.full((4096,), float(rank))
-            ar.allreduce(t)
-            out[rank] = (t, ar.store.traffic())
-            ar.close()
+            try:
+                out[rank] = replica(ar)
+            finally:
+                ar.close()
 
-        threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(180)
+            t.join(240)
         stats = proxy.snapshot()
+    return out, stats
+
+
+def test_an_s3_round_through_the_proxy_commits_and_is_counted(moto_s3: dict[str, Any]) -> None:
+    """Two replicas on moto's S3 server, each through its own link: the round commits with the exact mean, every
+    byte the stores counted crossed the proxy, and concurrent requests share round trips."""
+
+    def replica(ar: ObjectStoreAllReduce) -> Any:
+        t = torch.full((4096,), float(ar.rank))
+        ar.allreduce(t)
+        return t, ar.store.traffic()
+
+    out, stats = _two_replicas_through_a_proxy(moto_s3, WanLink(rtt=0.005, per_link=100e6), replica)
     for rank, (t, traffic) in enumerate(out):
         assert torch.equal(t, torch.full((4096,), 0.5))
         assert stats[rank].bytes >= traffic.bytes_read + traffic.bytes_written > 4 * 4096
@@ -153,31 +168,19 @@ def test_a_sync_over_the_wan_takes_at_least_its_floor(moto_s3: dict[str, Any]) -
     over-counted, and the sync's bytes all crossed the proxy."""
     rtt, rate, syncs = 0.030, 20e6, 3
     link = Link(rtt, rate)
-    host, port = moto_s3["endpoint"].removeprefix("http://").split(":")
-    uri = f"s3://{moto_s3['bucket']}/floor-{uuid.uuid4().hex[:8]}"
-    with WanProxy((host, int(port)), links=2, link=WanLink(rtt=rtt, per_link=rate), lifetime=300) as proxy:
-        options = [{**moto_s3["storage_options"], "endpoint_url": f"http://127.0.0.1:{p}"} for p in proxy.ports]
-        out: list[Any] = [None, None]
 
-        def replica(rank: int) -> None:
-            ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=120, storage_options=options[rank])
-            manager = MockManager(ar, checkpoint=False)
-            for _ in range(syncs):
-                manager.start_quorum()
-                work = manager.allreduce(torch.full((65536,), float(rank)))
-                manager.current_step()  # the round starts in the background
-                assert work.wait()
-                assert manager.should_commit()
-            manager.shutdown()
-            out[rank] = (manager.syncs, ar.store.traffic())
-            ar.close()
+    def replica(ar: ObjectStoreAllReduce) -> Any:
+        manager = MockManager(ar, checkpoint=False)
+        for _ in range(syncs):
+            manager.start_quorum()
+            work = manager.allreduce(torch.full((65536,), float(ar.rank)))
+            manager.current_step()  # the round starts in the background
+            assert work.wait()
+            assert manager.should_commit()
+        manager.shutdown()
+        return manager.syncs, ar.store.traffic()
 
-        threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(240)
-        stats = proxy.snapshot()
+    out, stats = _two_replicas_through_a_proxy(moto_s3, WanLink(rtt=rtt, per_link=rate), replica)
     for rank, (records, total) in enumerate(out):
         assert [r.committed for r in records] == [True] * syncs
         for r in records:
