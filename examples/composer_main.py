@@ -191,8 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--lr", type=float, default=None, help="inner AdamW learning rate (default: tiny 1e-3, smollm2 1e-5)")
     add("--temperature", type=float, default=1.0, help="sampling temperature of rollouts and evaluation")
     add("--grpo-weight", type=float, default=1.0, help="weight of channel grpo when it is on")
-    add("--sdpo-weight", type=float, default=1.0, help="weight of channel sdpo_jsd when it is on")
-    add("--dpo-weight", type=float, default=0.2, help="weight of channel trace_replay_dpo when it is on")
+    add("--sdpo-weight", type=float, default=None, help="weight of channel sdpo_jsd (default 1.0; --agent 0.25)")
+    add("--dpo-weight", type=float, default=None, help="weight of channel trace_replay_dpo (default 0.2; --agent 0.05)")
     add("--sdpo-feedback", action=argparse.BooleanOptionalAction, default=True,
         help="let SDPO's teacher read the sandbox's feedback (the tiny model learns to read it in its warm start)")  # fmt: skip
     add("--sdpo-alpha", type=_unit, default=0.5,
@@ -281,6 +281,8 @@ def _fill_defaults(opts: argparse.Namespace) -> None:
         "warmup_steps": 5 if not tiny else 20 if opts.quick else 400,
         "warmup_lr": 3e-3 if tiny else 1e-5,
         "eval_samples": 2 if opts.quick else 16,
+        "sdpo_weight": 1.0,
+        "dpo_weight": 0.2,
     }
     for name, value in defaults.items():
         if getattr(opts, name) is None:

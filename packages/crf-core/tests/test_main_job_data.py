@@ -311,6 +311,14 @@ def test_agent_flag_sets_its_defaults_and_refuses_what_it_cannot_run(composer_ma
     mine = main.parse_args(["--agent", "--steps", "20", "--max-completion-length", "512", "--eval-samples", "2"])
     assert (mine.steps, mine.max_completion_length, mine.eval_samples) == (20, 512, 2)
     assert mine.sync_every == DEFAULTS["sync_every"]
+    assert plain.weights == {"grpo": 1.0, "sdpo_jsd": 1.0, "trace_replay_dpo": 0.2}
+    assert opts.weights == {"grpo": 1.0, "sdpo_jsd": 0.25, "trace_replay_dpo": 0.05}  # measured: docs/guide.md
+    assert main.parse_args(["--agent", "--sdpo-weight", "1", "--dpo-weight", "0.2"]).weights == plain.weights
+    assert main.parse_args(["--agent", "--channels", "grpo"]).weights == {
+        "grpo": 1.0,
+        "sdpo_jsd": 0.0,
+        "trace_replay_dpo": 0.0,
+    }
     for argv in (
         ["--agent", "--trainer", "trl-grpo"],
         ["--agent", "--model", "smollm2-135m"],
