@@ -269,7 +269,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _fill_defaults(opts: argparse.Namespace) -> None:
-    """The defaults of the flags left unset (None) that depend on ``--quick`` and ``--model``."""
+    """The defaults of the flags left unset (None) that depend on ``--quick`` and ``--model``, or that ``--agent`` sets
+    its own way (`main_job.agent_job.DEFAULTS`, filled first)."""
     tiny = opts.model == "tiny"
     defaults = {
         "max_completion_length": 12,

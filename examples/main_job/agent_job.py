@@ -38,10 +38,9 @@ DEFAULTS = {
 }
 """``--agent``'s defaults for the flags the user leaves unset (``--quick``: `QUICK`). The inner lr is 10× below the
 single-completion job's: a 640-token episode's DPO log-ratio sums over hundreds of tokens, and at 1e-3 one step
-collapsed the agent (held-out 0.352 -> 0.000). SDPO and DPO weigh a quarter of theirs: at the single-completion
-weights (1.0, 0.2) both cost the agent its repairs (held-out change +0.009 / +0.176 on seeds 0 / 1 against GRPO
-alone's +0.102 / +0.304), at 0.25 / 0.05 the composed recipe is level with GRPO alone (+0.119 / +0.324;
-docs/guide.md)."""
+collapsed the agent. SDPO and DPO weigh a quarter of theirs: at the single-completion weights both cost the agent
+its repairs after feedback; at a quarter the composed recipe is level with GRPO alone (the measured arms:
+docs/guide.md, "A coding agent")."""
 QUICK = {
     **DEFAULTS,
     "steps": 2,

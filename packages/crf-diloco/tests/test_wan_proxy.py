@@ -120,33 +120,33 @@ def test_stops_by_itself_after_its_lifetime_and_closes_connections(echo: tuple[s
 
 
 def _two_replicas_through_a_proxy(
-    moto_s3: dict[str, Any], link: WanLink, replica: Callable[[ObjectStoreAllReduce], Any]
+    moto_s3: dict[str, Any],
+    run_replicas: Callable[..., list[Any]],
+    link: WanLink,
+    replica: Callable[[ObjectStoreAllReduce], Any],
 ) -> tuple[list[Any], Any]:
-    """Run ``replica(allreduce)`` for ranks 0 and 1 in threads, each on moto's S3 server through its own link of one
-    `WanProxy`, under a fresh prefix; return each rank's result and the proxy's per-link counts."""
+    """``replica(allreduce)`` for ranks 0 and 1 (conftest's ``run_replicas``), each on moto's S3 server through its own
+    link of one `WanProxy`, under a fresh prefix; each rank's result and the proxy's per-link counts."""
     host, port = moto_s3["endpoint"].removeprefix("http://").split(":")
     uri = f"s3://{moto_s3['bucket']}/wan-{uuid.uuid4().hex[:8]}"
-    out: list[Any] = [None, None]
     with WanProxy((host, int(port)), links=2, link=link, lifetime=300) as proxy:
         options = [{**moto_s3["storage_options"], "endpoint_url": f"http://127.0.0.1:{p}"} for p in proxy.ports]
 
-        def run(rank: int) -> None:
+        def run(rank: int) -> Any:
             ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=120, storage_options=options[rank])
             try:
-                out[rank] = replica(ar)
+                return replica(ar)
             finally:
                 ar.close()
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(240)
+        out = run_replicas(run, 2, timeout=240)
         stats = proxy.snapshot()
     return out, stats
 
 
-def test_an_s3_round_through_the_proxy_commits_and_is_counted(moto_s3: dict[str, Any]) -> None:
+def test_an_s3_round_through_the_proxy_commits_and_is_counted(
+    moto_s3: dict[str, Any], run_replicas: Callable[..., list[Any]]
+) -> None:
     """Two replicas on moto's S3 server, each through its own link: the round commits with the exact mean, every
     byte the stores counted crossed the proxy, and concurrent requests share round trips."""
 
@@ -155,14 +155,16 @@ def test_an_s3_round_through_the_proxy_commits_and_is_counted(moto_s3: dict[str,
         ar.allreduce(t)
         return t, ar.store.traffic()
 
-    out, stats = _two_replicas_through_a_proxy(moto_s3, WanLink(rtt=0.005, per_link=100e6), replica)
+    out, stats = _two_replicas_through_a_proxy(moto_s3, run_replicas, WanLink(rtt=0.005, per_link=100e6), replica)
     for rank, (t, traffic) in enumerate(out):
         assert torch.equal(t, torch.full((4096,), 0.5))
         assert stats[rank].bytes >= traffic.bytes_read + traffic.bytes_written > 4 * 4096
         assert 0 < traffic.round_trips < traffic.requests, "overlapping requests share a round trip"
 
 
-def test_a_sync_over_the_wan_takes_at_least_its_floor(moto_s3: dict[str, Any]) -> None:
+def test_a_sync_over_the_wan_takes_at_least_its_floor(
+    moto_s3: dict[str, Any], run_replicas: Callable[..., list[Any]]
+) -> None:
     """`MockManager.syncs` against a real delay line: each sync's recorded time is at least the floor its own counts
     give on that link (``bytes / bandwidth + busy round trips x rtt``), so neither the round trips nor the bytes are
     over-counted, and the sync's bytes all crossed the proxy."""
@@ -180,7 +182,7 @@ def test_a_sync_over_the_wan_takes_at_least_its_floor(moto_s3: dict[str, Any]) -
         manager.shutdown()
         return manager.syncs, ar.store.traffic()
 
-    out, stats = _two_replicas_through_a_proxy(moto_s3, WanLink(rtt=rtt, per_link=rate), replica)
+    out, stats = _two_replicas_through_a_proxy(moto_s3, run_replicas, WanLink(rtt=rtt, per_link=rate), replica)
     for rank, (records, total) in enumerate(out):
         assert [r.committed for r in records] == [True] * syncs
         for r in records:
