@@ -223,8 +223,9 @@ def workspace(session: nox.Session) -> None:
     covered package by package by `tests`). With the examples group, so the main job's CI-sized run (which needs
     every package and matplotlib) runs here."""
     install(session, None, [], groups=("test", "examples"))
-    docs_examples = str(ROOT / "tests" / "test_docs_python.py")  # the docs' python blocks need every package
-    run_pytest(session, [*_tests_dirs(PACKAGES), docs_examples], workers=SUITE_WORKERS)
+    # the docs' python blocks and the benchmarks' start-up need every package
+    whole = [str(ROOT / "tests" / name) for name in ("test_docs_python.py", "test_benchmarks_start.py")]
+    run_pytest(session, [*_tests_dirs(PACKAGES), *whole], workers=SUITE_WORKERS)
 
 
 @nox.session(python=_python(CI_PYTHON), tags=["ci"])

@@ -37,13 +37,13 @@ from allreduce_wan import (
     SECRET,
     TEST_SUPPORT,
     _free_port,
-    _parse_rate,
-    _parse_seconds,
     _proxy_process,
     cpu_split,
     pin_to,
     placement,
 )
+
+from crf_diloco.link import parse_rate, parse_seconds
 
 
 def _replica(
@@ -121,12 +121,12 @@ def main(argv: list[str] | None = None) -> None:
         "--no-overlap", action="store_true", help="run rounds inside wait() (MockManager(overlap=False))"
     )
     parser.add_argument("--slowest", type=int, default=0, help="print the N slowest inner steps of each replica")
-    parser.add_argument("--rtt", type=_parse_seconds, default=0.040)
+    parser.add_argument("--rtt", type=parse_seconds, default=0.040)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="moto's server and the proxy (a remote bucket and network on a real WAN) on the last "
                              "CPU, the replicas on the others, so that the servers' work is not charged to the "
                              "replicas' inner steps; --no-pin: all share every CPU")  # fmt: skip
-    parser.add_argument("--link", type=_parse_rate, default=50e6)
+    parser.add_argument("--link", type=parse_rate, default=50e6)
     args = parser.parse_args(argv)
     if not 0 < args.delay < args.period or args.replicas < 2:
         parser.error("need 0 < --delay < --period and --replicas >= 2")
