@@ -21,7 +21,8 @@ def test_there_are_benchmarks() -> None:
 
 
 @pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in NEEDS), reason=f"needs the installed workspace ({', '.join(NEEDS)})"
+    any(importlib.util.find_spec(m) is None for m in NEEDS),
+    reason=f"needs the installed workspace ({', '.join(NEEDS)})",
 )
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
 def test_every_benchmark_starts(script: Path, tmp_path: Path) -> None:
