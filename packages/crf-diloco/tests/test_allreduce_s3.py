@@ -33,6 +33,27 @@ def test_s3_create_only_write_is_enforced(moto_s3: dict[str, Any]) -> None:
     assert store.get_range("k/obj", 1, 3) == b"ir"  # ranged GET
 
 
+@pytest.mark.parametrize("theirs", [None, {"s3": {"payload_signing_enabled": True}}])
+def test_s3_requests_carry_no_sdk_body_checks_unless_asked(moto_s3: dict[str, Any], theirs: Any) -> None:
+    """Objects carry the run's MAC over their bytes, so botocore's own body checks (CRC32 per upload, SHA-256 of the
+    payload signed over plain HTTP) are off by default; a ``config_kwargs`` value the user gives is kept."""
+    options = {**moto_s3["storage_options"], **({"config_kwargs": theirs} if theirs else {})}
+    store = ObjectStore(_uri(moto_s3), options)
+    assert store.put_create("k/first", b"x" * 4096) is True  # the client exists after a first request
+    sent: list[dict[str, str]] = []
+    store.fs.s3.meta.events.register(
+        "before-send.s3.PutObject",
+        lambda request, **_: sent.append({k.lower(): str(v) for k, v in request.headers.items()}),
+    )
+    assert store.put_create("k/second", b"y" * 4096) is True
+    assert store.get("k/second") == b"y" * 4096
+    (headers,) = sent
+    assert not any(k.lower().startswith("x-amz-checksum-") for k in headers), headers
+    signed = "UNSIGNED-PAYLOAD" not in headers["x-amz-content-sha256"]
+    assert signed is bool(theirs), headers
+    assert options == {**moto_s3["storage_options"], **({"config_kwargs": theirs} if theirs else {})}, "not mutated"
+
+
 @pytest.mark.parametrize("compression", [None, "int8"])
 def test_s3_allreduce_end_to_end(compression: str | None, moto_s3: dict[str, Any], run_replicas: RunReplicas) -> None:
     uri, world_size, n = _uri(moto_s3), 3, 2000

@@ -149,6 +149,62 @@ def test_streaming_diloco_trains_while_a_fragment_syncs_and_ends_bit_identical(
         assert not any(torch.equal(p, init) for p, init in zip(params, initial, strict=True)), "training moved them"
 
 
+def test_a_round_never_waits_behind_a_checkpoint_upload(
+    faulty_store: Any, fault_rule: Callable[..., dict[str, Any]], run_replicas: RunReplicas
+) -> None:
+    """Each checkpoint upload is held until its writer has committed the next sync (or finished training): rounds
+    queued behind the upload on one thread could never commit that sync, and the hold gives up (failing the test).
+    The held states still land (``shutdown`` waits for the uploads) and the replicas end bit-identical."""
+    committed = [0] * WORLD  # syncs committed, per rank, as the training loop saw them
+    finished = [False] * WORLD
+    overtaken: list[str] = []  # uploads held while a later sync of their writer committed
+    progress = threading.Condition()
+
+    def hold(path: str) -> None:  # on the writer's upload thread, inside the checkpoint's write
+        round_id = int(re.search(r"state/r(\d+)\.", path).group(1))  # type: ignore[union-attr]
+        rank = round_id % WORLD  # the writer rotates: participants[round % participants]
+        with progress:
+            seen = committed[rank]
+            moved = progress.wait_for(lambda: committed[rank] > seen or finished[rank], HOLD)
+            assert moved, f"rank {rank}: no sync committed while its checkpoint upload was held"
+            if committed[rank] > seen:
+                overtaken.append(path)
+
+    rule = fault_rule("write", lambda p: "/state/" in p, hold, count=10_000)
+
+    def after_step(manager: MockManager) -> None:
+        with progress:
+            committed[manager.rank] = manager.current_step()
+            progress.notify_all()
+
+    def replica(rank: int) -> tuple[Run, list[int | None]]:
+        ar = ObjectStoreAllReduce("crffaulty://uploads", rank, WORLD, timeout=HOLD + 30)
+        manager = MockManager(ar)
+        original = manager.shutdown
+
+        def shutdown(wait: bool = True) -> None:  # training is over: release the last held upload
+            with progress:
+                finished[rank] = True
+                progress.notify_all()
+            original(wait)
+
+        manager.shutdown = shutdown  # type: ignore[method-assign]
+        run = _train(manager, rank, after_step=after_step)
+        return run, [s.round_id for s in manager.syncs]
+
+    ran = run_replicas(replica, WORLD, timeout=HOLD * 4)
+    assert rule["fired"] >= 2, "checkpoints were uploaded (and held)"
+    assert len(overtaken) >= rule["fired"] - WORLD, f"syncs committed while uploads were held: {overtaken}"
+    (steps, _, shared), rounds = ran[0]
+    assert steps == STEPS // (SYNC_EVERY // FRAGMENTS), "every sync committed"
+    states = ObjectStoreAllReduce("crffaulty://uploads", 0, WORLD).snapshots().listed()
+    assert states, "the held uploads landed"
+    assert states[-1] == rounds[-1], f"the last committed round's state landed: {states}"
+    for (other_steps, _, other_shared), _ in ran[1:]:
+        assert other_steps == steps
+        assert all(torch.equal(a, b) for a, b in zip(shared, other_shared, strict=True)), "bit-identical"
+
+
 def test_work_of_a_failed_background_round_returns_false_and_the_sync_aborts_everywhere(
     faulty_store: Any, fault_rule: Callable[..., dict[str, Any]], run_replicas: RunReplicas
 ) -> None:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -172,8 +172,8 @@ class MockManager:
     * Healing: one participant of a committed round (``participants[round % len(participants)]``, so the
       uploads rotate) writes the global state (every ``register_state_dict_fn`` state plus
       ``{"step", "batches_committed"}``) to ``state/r{round}.safetensors``: copied at its next call after the
-      outer step, uploaded on the background thread; the others check during their next sync (after its
-      rounds) that it exists, and write it if it is missing. At ``start_quorum()`` a replica that is behind the
+      outer step, uploaded on a thread of its own (beside the rounds, never ahead of them); the others check
+      during their next sync (after its rounds) that it exists, and write it if it is missing. At ``start_quorum()`` a replica that is behind the
       store's last committed round (restarted, late, or one that could not read a committed
       result) loads that state and observes (does not contribute to) its next round.
 
@@ -212,9 +212,10 @@ class MockManager:
             raise TypeError(f"overlap must be a bool (True: sync in the background), got {type(overlap).__name__}")
         self._use_async_quorum = False
         self._overlap = overlap
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._threads: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # "sync" and "upload" (`_background`)
         self._job: concurrent.futures.Future[None] | None = None  # the last sync's rounds
-        self._tail: concurrent.futures.Future[None] | None = None  # the last task of the background thread
+        self._tail: concurrent.futures.Future[Any] | None = None  # the last task of the sync thread
+        self._upload: concurrent.futures.Future[None] | None = None  # the last checkpoint upload
         self._ensured: int | None = None  # the last committed round whose checkpoint was checked
         self._presence: tuple[int, concurrent.futures.Future[bool] | None] | None = None  # that check, when pending
         self._allreduce = allreduce
@@ -395,23 +396,31 @@ class MockManager:
         if not self._overlap:
             self._run_rounds(pending)
             return
-        self._job = self._tail = self._background().submit(self._run_rounds, pending)
+        self._job = self._tail = self._background("sync").submit(self._run_rounds, pending)
         if self._presence is not None and self._presence[1] is None:  # after the rounds: the writer had its time
             r = self._presence[0]
-            self._presence = (r, self._background().submit(self._snapshots.exists, r))
+            self._presence = (r, self._background("sync").submit(self._snapshots.exists, r))
 
-    def _background(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The one background thread: rounds and checkpoint uploads run on it in the order they were handed over."""
-        if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"crf-diloco-sync-{self.rank}")
-        return self._worker
+    def _background(self, kind: Literal["sync", "upload"]) -> concurrent.futures.ThreadPoolExecutor:
+        """The background thread of ``kind``, each running its tasks in the order they were handed over: ``sync``
+        the rounds (and the checks after them), ``upload`` the checkpoints, beside them: a round never waits behind
+        a checkpoint (several times a round's bytes) on its way to the bucket."""
+        if kind not in self._threads:
+            name = f"crf-diloco-{kind}-{self.rank}"
+            self._threads[kind] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        return self._threads[kind]
+
+    def _on_background(self) -> bool:
+        """Whether the caller is one of this manager's background threads (which never wait for themselves)."""
+        return threading.current_thread().name.startswith((f"crf-diloco-sync-{self.rank}_",
+                                                           f"crf-diloco-upload-{self.rank}_"))  # fmt: skip
 
     def _finish_rounds(self) -> None:
         """Start what is queued and wait until every round started has run (a callback of a round, which runs on
         the background thread, does not wait for itself)."""
         self._start_rounds()
         job = self._job
-        if job is None or threading.current_thread().name.startswith(f"crf-diloco-sync-{self.rank}"):
+        if job is None or self._on_background():
             return
         job.result()  # _run_rounds never raises
         if self._job is job:
@@ -515,14 +524,14 @@ class MockManager:
         return ok
 
     def shutdown(self, wait: bool = True) -> None:
-        """Finish the rounds started, write a due checkpoint and stop the background thread; the allreduce itself is
+        """Finish the rounds started, write a due checkpoint and stop the background threads; the allreduce itself is
         left to its owner."""
         self._flush_safely()
         self._write_checkpoint_if_due()
         self._wait_background()
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.shutdown(wait=wait)
+        threads, self._threads = self._threads, {}
+        for thread in threads.values():
+            thread.shutdown(wait=wait)
 
     # -- checkpoints & healing (crf_diloco.healing) ---------------------------------------------------------
     def _state(self, round_id: int) -> dict[str, Any]:
@@ -536,12 +545,13 @@ class MockManager:
 
     def _write_checkpoint_if_due(self) -> None:
         """Write the state of the round this replica committed last and must checkpoint: copied now (it is the state
-        right after the outer step), uploaded on the background thread (``overlap``) or now."""
+        right after the outer step), uploaded on the upload thread (``overlap``) or now."""
         self._check_presence()
         if self._checkpoint_due is None or not self._save_fns:
             self._checkpoint_due = None
             return
         round_id, self._checkpoint_due = self._checkpoint_due, None
+        self._ensured = round_id  # this replica writes it: no check of its own upload (it may still be under way)
         try:
             sealed = self._snapshots.seal(round_id, self._state(round_id))
         except AllReduceError as e:
@@ -550,7 +560,7 @@ class MockManager:
         if not self._overlap:
             self._put_checkpoint(round_id, sealed)
             return
-        self._tail = self._background().submit(self._put_checkpoint, round_id, sealed)
+        self._upload = self._background("upload").submit(self._put_checkpoint, round_id, sealed)
 
     def _put_checkpoint(self, round_id: int, sealed: Blob) -> None:
         try:
@@ -559,15 +569,18 @@ class MockManager:
             logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
 
     def _wait_background(self) -> None:
-        """Wait for everything handed to the background thread (rounds and checkpoint uploads)."""
-        tail = self._tail
-        if tail is not None and not threading.current_thread().name.startswith(f"crf-diloco-sync-{self.rank}"):
-            tail.result()
+        """Wait for everything handed to the background threads (rounds and checkpoint uploads)."""
+        if self._on_background():
+            return
+        for tail in (self._tail, self._upload):
+            if tail is not None:
+                tail.result()
 
     def _ensure_checkpoint(self) -> None:
         """Write the last committed state if its writer did not (never from a replica that is behind: its state is
-        not the committed one). With ``overlap`` the check runs on the background thread after this sync's rounds
-        (by then the writer's own upload is done), and a missing state is copied at the manager's next call, if
+        not the committed one). With ``overlap`` the check runs on the sync thread after this sync's rounds (by
+        then the writer's upload, which started with them, is usually done: a late one costs a second, refused
+        create), and a missing state is copied at the manager's next call, if
         this replica still holds that round's state."""
         r = self._last_committed_round
         if not self._checkpoint or r is None or not self._save_fns or self._stale or r == self._ensured:
