@@ -89,6 +89,64 @@ def test_missing_vote_aborts_at_the_deadline_and_the_late_voter_follows(memory_u
     assert ars[1].last_round.outcome == "abort"
 
 
+def _data_phases(ars: list[ObjectStoreAllReduce]) -> None:
+    """Every replica runs round ``ars[0].round_id``'s data phase with a deferred decision (concurrently)."""
+    threads = [threading.Thread(target=ar.allreduce, args=(_x(r),), kwargs={"defer_decision": True})
+               for r, ar in enumerate(ars)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(ar.open_rounds for ar in ars), "every data phase ended with the round open"
+
+
+def test_the_last_voter_settles_the_round_in_two_round_trips(
+    faulty_store: Any, fault_rule: Callable[..., dict[str, Any]]
+) -> None:
+    """Its vote goes out with the reads of the decision and of the other votes (one wave), then its decision (one
+    more): two sequential round trips on the training thread's critical path, where a separate collection check,
+    vote, poll and decision took four. Every request takes 20 ms here, so that requests sent together overlap."""
+    for op in ("read", "write"):
+        fault_rule(op, lambda p: True, lambda p: time.sleep(0.02), count=10**6)
+    ars = [ObjectStoreAllReduce("crffaulty://last-voter", r, 2, timeout=20) for r in range(2)]
+    _data_phases(ars)
+    first: list[bool] = []
+    voter = threading.Thread(target=lambda: first.append(ars[0].vote(True)))
+    voter.start()
+    deadline = time.monotonic() + 20
+    while not ars[1].store.exists(RoundKeys(0).vote(0)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ars[1].close()  # its data phase's background work is done: what follows is the vote
+    before = ars[1].store.traffic()
+    assert ars[1].vote(True) is True
+    ars[1].close()  # and the listing of the round's announcers that `_finish` starts in the background
+    spent = ars[1].store.traffic() - before
+    voter.join(20)
+    assert first == [True]
+    assert spent.requests == 6, spent  # vote + decision + rank 0's vote | decision create + read | announcers
+    assert spent.round_trips == 3, spent  # the vote's two waves, the background listing's one
+
+
+def test_a_vote_into_a_collected_round_is_taken_back(memory_uri: str) -> None:
+    """Rank 1 stalls between its data phase and its vote while rank 0 aborts that round (no vote in time) and goes
+    on alone until the round is collected. Rank 1's vote, sent with its first reads, is deleted again once they show
+    the round collected: nothing re-creates the round, and rank 1 gets the round's (abort) decision."""
+    ars = [ObjectStoreAllReduce(memory_uri, r, 2, timeout=20, quorum_timeout=0.3, keep_rounds=1) for r in range(2)]
+    _data_phases(ars)
+    ars[0].timeout = 0.5
+    assert ars[0].vote(True) is False  # rank 1 never voted in time
+    for _ in range(3):
+        ars[0].allreduce(_x(0))  # alone: rank 1 is stalled
+    ars[0].close()  # the background collection of the old rounds
+    keys = RoundKeys(0)
+    assert ars[0].store.exists(keys.decision), "the decision is kept as a tombstone"
+    assert not ars[0].store.exists(keys.quorum), "round 0 was collected"
+    assert ars[1].vote(True) is False
+    assert ars[1].last_round is not None
+    assert ars[1].last_round.outcome == "abort"
+    assert not ars[1].store.exists(keys.vote(1)), "the vote written into the collected round was taken back"
+
+
 def test_observer_does_not_block_the_vote(memory_uri: str) -> None:
     """A latecomer observes the open round; the participant decides without waiting for it."""
     ar0 = ObjectStoreAllReduce(memory_uri, 0, 2, timeout=5, quorum_timeout=0.3)

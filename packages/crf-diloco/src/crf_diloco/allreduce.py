@@ -603,8 +603,7 @@ class ObjectStoreAllReduce:
         keys, quorum, settings = rnd.keys, rnd.formed, self._settings()
         try:
             if rnd.contributed:
-                vote_phase.cast_vote(self._peer, keys, quorum, ok, reason, settings.keep_rounds)
-                decision = vote_phase.await_votes(self._peer, keys, quorum, settings, ok, reason, self._write_decision)
+                decision = vote_phase.vote(self._peer, keys, quorum, settings, ok, reason, self._write_decision)
             else:  # observers do not vote and never decide
                 decision = vote_phase.await_decision(self._peer, keys, settings)
         except AllReduceError as exc:

@@ -443,6 +443,13 @@ class ObjectStore:
             with contextlib.suppress(OSError, AllReduceError):
                 self._call(f"delete {len(paths)} objects", lambda: self.fs.rm(paths))
 
+    def remove(self, key: str) -> None:
+        """Best-effort delete of the one object ``key`` (a symbolic link on a local disk: the link, never its
+        target)."""
+        with contextlib.suppress(OSError, AllReduceError):
+            path = self._local_path(key) if self.is_local else self.path(key)
+            self._call(f"delete {key}", lambda: self.fs.rm_file(path))
+
     def remove_tree(self, key: str) -> None:
         """Best-effort recursive delete (garbage collection never fails a round). On a local disk nothing behind a
         symbolic link is deleted."""

@@ -13,7 +13,7 @@ from crf_diloco.records import DecisionRecord, QuorumRecord, VoteRecord
 from crf_diloco.rounds.peer import Peer
 from crf_diloco.rounds.round import RoundFailure, RoundSettings, poll_until
 
-__all__ = ["Decide", "await_decision", "await_votes", "cast_vote", "decide", "stands"]
+__all__ = ["Decide", "await_decision", "decide", "stands", "vote"]
 
 #: ``decide(keys, outcome, reason, token, decide=may_write)``: write the decision if allowed, return the one standing
 Decide = Callable[..., DecisionRecord]
@@ -68,23 +68,26 @@ def stands(decision: DecisionRecord, quorum: QuorumRecord | None) -> bool:
     return decision.committed and quorum is not None and decision.token == quorum.token
 
 
-def cast_vote(peer: Peer, keys: RoundKeys, quorum: QuorumRecord, ok: bool, reason: str, keep_rounds: int) -> None:
-    """Create this participant's ``votes/{rank}.json`` (never into a round collected under it)."""
-    peer.check_not_collected(keys, keep_rounds)  # a vote into a collected round would re-create it
-    vote = VoteRecord(peer.rank, ok, reason, quorum.token, peer.incarnation, world_size=peer.world_size)
-    peer.write_record(keys.vote(peer.rank), vote)
-
-
-def await_votes(
-    peer: Peer, keys: RoundKeys, quorum: QuorumRecord, settings: RoundSettings, ok: bool, reason: str, write: Decide
+def vote(
+    peer: Peer,
+    keys: RoundKeys,
+    quorum: QuorumRecord,
+    settings: RoundSettings,
+    ok: bool,
+    reason: str,
+    write: Decide,
 ) -> DecisionRecord:
-    """(A participant) poll the round's votes until a decision stands, writing it with ``write`` once the votes
-    settle it: ``commit`` when every participant voted true, ``abort`` as soon as one voted false or when
-    ``timeout`` passes with votes missing."""
+    """(A participant) create this replica's ``votes/{rank}.json`` and poll the round's votes until a decision
+    stands, writing it with ``write`` once the votes settle it: ``commit`` when every participant voted true,
+    ``abort`` as soon as one voted false or when ``timeout`` passes with votes missing.
+
+    The vote goes out in one wave with the first reads (the decision, the other participants' votes), so the last
+    voter settles the round in two round trips: that wave, then its decision. Should that read show the round decided
+    and collected under this replica (its decision kept, its quorum gone), the vote just created is deleted again
+    (nothing re-creates a collected round) and `fell_behind` is raised."""
     token, participants = quorum.token, quorum.participants
-    if not ok:
-        return write(keys, "abort", f"rank {peer.rank} voted to abort: {reason}", token, decide=True)
-    votes: dict[int, VoteRecord] = {}
+    mine = VoteRecord(peer.rank, ok, reason, token, peer.incarnation, world_size=peer.world_size)
+    votes: dict[int, VoteRecord] = {peer.rank: mine}
 
     def read_vote(rank: int) -> VoteRecord | None:
         key = keys.vote(rank)
@@ -93,20 +96,22 @@ def await_votes(
             raise RoundFailure(f"{key} belongs to another rank or round attempt (stale object)")
         return record
 
-    def probe(late: bool) -> DecisionRecord | None:
-        # one wave: the decision and every vote not read yet
-        unread = [r for r in participants if r not in votes]
-        decision, *records = peer.outcomes([
-            partial(peer.read_decision, keys.round_id), *(partial(read_vote, r) for r in unread)
-        ])  # fmt: skip
+    def unread() -> list[int]:
+        return [r for r in participants if r not in votes]
+
+    def reads() -> list[Callable[[], object]]:  # the decision and every vote not read yet
+        return [partial(peer.read_decision, keys.round_id), *(partial(read_vote, r) for r in unread())]
+
+    def settle(missing: list[int], outcomes: list[object], late: bool) -> DecisionRecord | None:
+        decision, *records = outcomes
         if isinstance(decision, BaseException):
             raise decision
-        if decision is not None:
+        if isinstance(decision, DecisionRecord):
             return decision
-        for rank, record in zip(unread, records, strict=True):
+        for rank, record in zip(missing, records, strict=True):
             if isinstance(record, BaseException):
                 raise record
-            if record is not None:
+            if isinstance(record, VoteRecord):
                 votes[rank] = record
         against = sorted(r for r, v in votes.items() if not v.ok)
         if against:
@@ -115,9 +120,27 @@ def await_votes(
         if len(votes) == len(participants):
             return write(keys, "commit", "", token, decide=True)
         if late:
-            missing = sorted(set(participants) - set(votes))
-            why = f"votes of ranks {missing} did not appear within {settings.timeout:.1f}s"
+            why = (
+                f"votes of ranks {sorted(set(participants) - set(votes))} did not appear within {settings.timeout:.1f}s"
+            )
             return write(keys, "abort", why, token, decide=True)
         return None
 
-    return poll_until(time.monotonic() + settings.timeout, probe, interval=settings.poll_interval)
+    deadline = time.monotonic() + settings.timeout
+    missing = unread()
+    created, *first = peer.outcomes([partial(peer.write_record, keys.vote(peer.rank), mine), *reads()])
+    if isinstance(created, BaseException):
+        raise created
+    if isinstance(first[0], DecisionRecord) and peer.read_quorum(keys.round_id) is None:
+        if created:
+            peer.store.remove(keys.vote(peer.rank))
+        raise peer.fell_behind(keys, first[0], settings.keep_rounds)
+    found = settle(missing, first, late=False)
+    if found is not None:
+        return found
+
+    def probe(late: bool) -> DecisionRecord | None:
+        missing = unread()
+        return settle(missing, peer.outcomes(reads()), late)  # one wave
+
+    return poll_until(deadline, probe, interval=settings.poll_interval)
