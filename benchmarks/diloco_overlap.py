@@ -16,7 +16,11 @@ What is measured
       mean of the two), and, for reference, over the DiLoCo run's steps with no sync in flight.
 
     ``ratio = during sync / no sync``; the target (issue 24) is >= 0.9. ``--no-overlap`` runs the rounds inside
-    ``wait()`` instead (``MockManager(overlap=False)``), the comparison point.
+    ``wait()`` instead (``MockManager(overlap=False)``), the comparison point. Beside it, ``waited s/sync``: the
+    seconds per sync the training thread spent blocked in the manager (``start_quorum``, a work's ``wait``,
+    ``should_commit``), a figure that does not depend on how the replicas share the CPUs. With ``--pin`` (the
+    default) every replica shares one CPU, so a sync's client CPU (s3fs, the MAC, the codec) is taken from the
+    inner steps of both: the ratio is then bounded by that CPU, not by waiting.
 
 Run: ``python benchmarks/diloco_overlap.py`` (``--codec int8`` for smaller rounds). The load average is printed at the
 start and the end; the machine's other work moves every figure, so compare ratios of one run.
@@ -44,6 +48,34 @@ from allreduce_wan import (
 )
 
 from crf_diloco.link import parse_rate, parse_seconds
+
+
+def _time_waits(manager: Any) -> dict[str, list[float]]:
+    """Seconds the training thread spends inside each manager call of a sync that may block it (``start_quorum``,
+    a work's ``wait``, ``should_commit``), listed per kind of call as DiLoCo makes them."""
+    waited: dict[str, list[float]] = {"start_quorum": [], "wait": [], "should_commit": []}
+
+    def timed(name: str, call: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                waited[name].append(time.perf_counter() - start)
+
+        return run
+
+    allreduce = manager.allreduce
+
+    def allreduce_timed(*args: Any, **kwargs: Any) -> Any:
+        work = allreduce(*args, **kwargs)
+        work.wait = timed("wait", work.wait)
+        return work
+
+    manager.start_quorum = timed("start_quorum", manager.start_quorum)
+    manager.should_commit = timed("should_commit", manager.should_commit)
+    manager.allreduce = allreduce_timed
+    return waited
 
 
 def _replica(
@@ -86,6 +118,7 @@ def _replica(
     ar = ObjectStoreAllReduce(uri, rank, world, run_id=args["run_id"], secret=SECRET, timeout=300,
                               compression=args["codec"], storage_options=options)  # fmt: skip
     manager = MockManager(ar, overlap=args["overlap"])
+    waited = _time_waits(manager)
     outer = [torch.optim.SGD(layer.parameters(), lr=0.7, momentum=0.9, nesterov=True) for layer in layers]
     steps: list[tuple[float, bool]] = []
     dist.barrier()
@@ -101,7 +134,7 @@ def _replica(
     after = plain(args["plain_steps"])
     traffic = ar.store.traffic()
     ar.close()
-    out.put((rank, before, after, steps, committed, traffic.bytes_read + traffic.bytes_written))
+    out.put((rank, before, after, steps, committed, traffic.bytes_read + traffic.bytes_written, waited))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -182,9 +215,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{' '.join(f'{v:.2f}' for v in load_start)} at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
           f"at the end; {placement(replica_cores, server_cores)}")  # fmt: skip
     print(f"{'rank':>4} {'no sync':>8} {'during sync':>11} {'ratio':>6} {'DiLoCo, no sync':>15} {'steps in sync':>13} "
-          f"{'longest step':>12} {'commits':>7} {'MB moved':>8}")  # fmt: skip
+          f"{'longest step':>12} {'commits':>7} {'MB moved':>8}  waited s/sync (start_quorum + wait + should_commit)")  # fmt: skip
     ratios = []
-    for rank, before, after, steps, committed, moved in sorted(results):
+    for rank, before, after, steps, committed, moved, waited in sorted(results):
+        # from the second sync on, as for the steps: the first one also joins the run
+        per_sync = {k: sum(v[len(v) // committed :]) / max(committed - 1, 1) for k, v in waited.items()}
         plain_rate = (before + after) / 2
         measured = steps[args.period :]  # from the second sync on: the first one also joins the run (layout, frontier)
         busy = [d for d, syncing in measured if syncing]
@@ -193,10 +228,11 @@ def main(argv: list[str] | None = None) -> None:
         quiet = len(idle) / sum(idle) if idle else float("nan")
         ratios.append(during / plain_rate)
         print(f"{rank:>4} {plain_rate:>8.2f} {during:>11.2f} {during / plain_rate:>6.2f} {quiet:>15.2f} "
-              f"{len(busy):>6}/{len(measured):<6} {max(d for d, _ in measured):>11.3f}s {committed:>7} {moved / 1e6:>8.1f}")  # fmt: skip
+              f"{len(busy):>6}/{len(measured):<6} {max(d for d, _ in measured):>11.3f}s {committed:>7} {moved / 1e6:>8.1f}  "
+              f"{sum(per_sync.values()):.3f} ({' + '.join(f'{v:.3f}' for v in per_sync.values())})")  # fmt: skip
     print(f"median ratio (inner steps/s during syncs / with no sync): {statistics.median(ratios):.3f}; steps/s")
     if args.slowest:
-        for rank, _, _, steps, _, _ in sorted(results):
+        for rank, _, _, steps, *_ in sorted(results):
             worst = sorted(range(len(steps)), key=lambda i: -steps[i][0])[: args.slowest]
             print(f"rank {rank} slowest steps (index: seconds, sync in flight):",
                   ", ".join(f"{i}: {steps[i][0]:.2f}{' s' if steps[i][1] else ''}" for i in sorted(worst)))  # fmt: skip
