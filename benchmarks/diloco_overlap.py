@@ -215,11 +215,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{' '.join(f'{v:.2f}' for v in load_start)} at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
           f"at the end; {placement(replica_cores, server_cores)}")  # fmt: skip
     print(f"{'rank':>4} {'no sync':>8} {'during sync':>11} {'ratio':>6} {'DiLoCo, no sync':>15} {'steps in sync':>13} "
-          f"{'longest step':>12} {'commits':>7} {'MB moved':>8}  waited s/sync (start_quorum + wait + should_commit)")  # fmt: skip
+          f"{'longest step':>12} {'commits':>7} {'MB moved':>8}  "
+          "waited s/sync (start_quorum + wait + should_commit)")  # fmt: skip
     ratios = []
     for rank, before, after, steps, committed, moved, waited in sorted(results):
         # from the second sync on, as for the steps: the first one also joins the run
-        per_sync = {k: sum(v[len(v) // committed :]) / max(committed - 1, 1) for k, v in waited.items()}
+        per_sync = {k: sum(v[len(v) // max(committed, 1) :]) / max(committed - 1, 1) for k, v in waited.items()}
         plain_rate = (before + after) / 2
         measured = steps[args.period :]  # from the second sync on: the first one also joins the run (layout, frontier)
         busy = [d for d, syncing in measured if syncing]
@@ -228,8 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         quiet = len(idle) / sum(idle) if idle else float("nan")
         ratios.append(during / plain_rate)
         print(f"{rank:>4} {plain_rate:>8.2f} {during:>11.2f} {during / plain_rate:>6.2f} {quiet:>15.2f} "
-              f"{len(busy):>6}/{len(measured):<6} {max(d for d, _ in measured):>11.3f}s {committed:>7} {moved / 1e6:>8.1f}  "
-              f"{sum(per_sync.values()):.3f} ({' + '.join(f'{v:.3f}' for v in per_sync.values())})")  # fmt: skip
+              f"{len(busy):>6}/{len(measured):<6} {max(d for d, _ in measured):>11.3f}s {committed:>7} "
+              f"{moved / 1e6:>8.1f}  {sum(per_sync.values()):.3f} ({' + '.join(f'{v:.3f}' for v in per_sync.values())})")  # fmt: skip
     print(f"median ratio (inner steps/s during syncs / with no sync): {statistics.median(ratios):.3f}; steps/s")
     if args.slowest:
         for rank, _, _, steps, *_ in sorted(results):

@@ -549,7 +549,8 @@ class MockManager:
 
     def _write_checkpoint_if_due(self) -> None:
         """Write the state of the round this replica committed last and must checkpoint: copied now (it is the state
-        right after the outer step), uploaded on the upload thread from the next ``start_quorum`` (``overlap``) or now."""
+        right after the outer step), uploaded on the upload thread from the next ``start_quorum`` (``overlap``) or
+        now."""
         self._check_presence()
         if self._checkpoint_due is None or not self._save_fns:
             self._checkpoint_due = None
@@ -593,8 +594,8 @@ class MockManager:
         """Write the last committed state if its writer did not (never from a replica that is behind: its state is
         not the committed one). With ``overlap`` the check runs on the sync thread after this sync's rounds (by
         then the writer's upload, which started with them, is usually done: a late one costs a second, refused
-        create), and a missing state is copied at the manager's next call, if
-        this replica still holds that round's state."""
+        create), and a missing state is copied at the manager's next call, if this replica still holds that
+        round's state."""
         r = self._last_committed_round
         if not self._checkpoint or r is None or not self._save_fns or self._stale or r == self._ensured:
             return

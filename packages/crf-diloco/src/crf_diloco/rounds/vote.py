@@ -120,9 +120,8 @@ def vote(
         if len(votes) == len(participants):
             return write(keys, "commit", "", token, decide=True)
         if late:
-            why = (
-                f"votes of ranks {sorted(set(participants) - set(votes))} did not appear within {settings.timeout:.1f}s"
-            )
+            absent = sorted(set(participants) - set(votes))
+            why = f"votes of ranks {absent} did not appear within {settings.timeout:.1f}s"
             return write(keys, "abort", why, token, decide=True)
         return None
 
