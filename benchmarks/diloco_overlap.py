@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         ratios.append(during / plain_rate)
         print(f"{rank:>4} {plain_rate:>8.2f} {during:>11.2f} {during / plain_rate:>6.2f} {quiet:>15.2f} "
               f"{len(busy):>6}/{len(measured):<6} {max(d for d, _ in measured):>11.3f}s {committed:>7} "
-              f"{moved / 1e6:>8.1f}  {sum(per_sync.values()):.3f} ({' + '.join(f'{v:.3f}' for v in per_sync.values())})")  # fmt: skip
+              f"{moved / 1e6:>8.1f}  {sum(per_sync.values()):.3f} "
+              f"({' + '.join(f'{v:.3f}' for v in per_sync.values())})")  # fmt: skip
     print(f"median ratio (inner steps/s during syncs / with no sync): {statistics.median(ratios):.3f}; steps/s")
     if args.slowest:
         for rank, _, _, steps, *_ in sorted(results):
