@@ -180,8 +180,13 @@ class Peer:
         its quorum gone), so that nothing re-creates it. A decided round that is not collected yet may still get the
         write (collection deletes it later)."""
         decision = self.read_decision(keys.round_id)
-        if decision is not None and self.read_quorum(keys.round_id) is None:
+        if decision is not None and self.collected(keys):
             raise self.fell_behind(keys, decision, keep_rounds)
+
+    def collected(self, keys: RoundKeys) -> bool:
+        """Whether a decided round was collected: its quorum is gone (collection deletes the quorum first and keeps
+        the decision). One read."""
+        return self.read_quorum(keys.round_id) is None
 
     def fell_behind(
         self, keys: RoundKeys, decision: DecisionRecord, keep_rounds: int

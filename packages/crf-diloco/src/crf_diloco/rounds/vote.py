@@ -99,8 +99,8 @@ def vote(
     def unread() -> list[int]:
         return [r for r in participants if r not in votes]
 
-    def reads() -> list[Callable[[], object]]:  # the decision and every vote not read yet
-        return [partial(peer.read_decision, keys.round_id), *(partial(read_vote, r) for r in unread())]
+    def reads(missing: list[int]) -> list[Callable[[], object]]:  # the decision and the votes not read yet
+        return [partial(peer.read_decision, keys.round_id), *(partial(read_vote, r) for r in missing)]
 
     def settle(missing: list[int], outcomes: list[object], late: bool) -> DecisionRecord | None:
         decision, *records = outcomes
@@ -127,10 +127,10 @@ def vote(
 
     deadline = time.monotonic() + settings.timeout
     missing = unread()
-    created, *first = peer.outcomes([partial(peer.write_record, keys.vote(peer.rank), mine), *reads()])
+    created, *first = peer.outcomes([partial(peer.write_record, keys.vote(peer.rank), mine), *reads(missing)])
     if isinstance(created, BaseException):
         raise created
-    if isinstance(first[0], DecisionRecord) and peer.read_quorum(keys.round_id) is None:
+    if isinstance(first[0], DecisionRecord) and peer.collected(keys):
         if created:
             peer.store.remove(keys.vote(peer.rank))
         raise peer.fell_behind(keys, first[0], settings.keep_rounds)
@@ -140,6 +140,6 @@ def vote(
 
     def probe(late: bool) -> DecisionRecord | None:
         missing = unread()
-        return settle(missing, peer.outcomes(reads()), late)  # one wave
+        return settle(missing, peer.outcomes(reads(missing)), late)  # one wave
 
     return poll_until(deadline, probe, interval=settings.poll_interval)
