@@ -11,13 +11,17 @@ What is measured
       MACs, checks or decision): what the protocol costs on top of its I/O is objstore − floor;
     * ``floor-concurrent``: the same traffic with the protocol's concurrency (background writes, the other replicas'
       slices and reduced shards read at once by a thread pool); the I/O floor is the faster of the two floors;
+    * ``floor-auth``: ``floor-local`` plus the protocol's content tag (Poly1305 keyed per object,
+      `crf_diloco.auth`) over every buffer written and read: the least an authenticated protocol does;
     * ``naive-local``: a naive file all-gather on the same folder (each replica writes its tensor,
       reads all the others' and sums them), the scheme the protocol replaces;
     * ``objstore-s3``: :class:`crf_diloco.ObjectStoreAllReduce` on ``s3://`` against moto's S3 server
       (a ``moto_server`` subprocess on 127.0.0.1) through s3fs (skip with ``--skip-s3``).
 
     Every replica enters each collective after a Gloo barrier; a collective's time is the slowest
-    replica's time from the barrier to the end of its call; the figure is the median over ``--reps``.
+    replica's time from the barrier to the end of its call; the figure is the median over ``--reps``, after
+    ``--warmup`` untimed rounds of every variant (the protocol keeps ``keep_rounds`` rounds of objects, so its first
+    rounds write into memory the machine hands out for the first time, several times slower on a VM).
     The same processes run every variant, so all of them see the same machine.
 
 Bytes
@@ -48,6 +52,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 
@@ -115,10 +120,15 @@ def _pread_when_there(path: str, offset: int, buf: memoryview) -> None:
         f.readinto(buf)
 
 
-def _floor_local(t: Any, folder: str, rank: int, world_size: int, tag: str) -> None:
+def _floor_local(
+    t: Any, folder: str, rank: int, world_size: int, tag: str, mac: Callable[[memoryview], object] | None = None
+) -> None:
     """The protocol's file traffic and arithmetic and nothing else (no records, MACs, checks, decision, backoff):
-    write the payload, reduce one shard from ranged reads, write it, read the other reduced shards, copy back."""
+    write the payload, reduce one shard from ranged reads, write it, read the other reduced shards, copy back.
+    ``mac``: called on every buffer before it is written and after it is read (``floor-auth``)."""
     import torch
+
+    mac = mac or (lambda view: None)
 
     n = t.numel()
     bounds = [k * n // world_size for k in range(world_size + 1)]
@@ -128,23 +138,39 @@ def _floor_local(t: Any, folder: str, rank: int, world_size: int, tag: str) -> N
     result, scratch = _FLOOR_BUFFERS[n]
     _drop_own_files()
     os.makedirs(folder, exist_ok=True)
-    _write_file(os.path.join(folder, f"{tag}-data-{rank}"), memoryview(t.numpy()).cast("B"))
+    payload = memoryview(t.numpy()).cast("B")
+    mac(payload)
+    _write_file(os.path.join(folder, f"{tag}-data-{rank}"), payload)
     _OWN_FILES.extend(os.path.join(folder, f"{tag}-{kind}-{rank}") for kind in ("data", "reduced"))
     acc = result[lo:hi]
     for r in range(world_size):
         if r == rank:
             src = t[lo:hi]
         else:
-            _pread_when_there(os.path.join(folder, f"{tag}-data-{r}"), 4 * lo, memoryview(scratch.numpy()).cast("B"))
+            view = memoryview(scratch.numpy()).cast("B")
+            _pread_when_there(os.path.join(folder, f"{tag}-data-{r}"), 4 * lo, view)
+            mac(view)
             src = scratch
         acc.copy_(src) if r == 0 else acc.add_(src)
     acc /= world_size
-    _write_file(os.path.join(folder, f"{tag}-reduced-{rank}"), memoryview(acc.numpy()).cast("B"))
+    reduced = memoryview(acc.numpy()).cast("B")
+    mac(reduced)
+    _write_file(os.path.join(folder, f"{tag}-reduced-{rank}"), reduced)
     for k in range(world_size):
         if k != rank:
             view = memoryview(result[bounds[k] : bounds[k + 1]].numpy()).cast("B")
             _pread_when_there(os.path.join(folder, f"{tag}-reduced-{k}"), 0, view)
+            mac(view)
     t.copy_(result)
+
+
+def _content_tag() -> Callable[[memoryview], object]:
+    """The protocol's content tag (`crf_diloco.auth.Authenticator.tag`, keyed with the benchmark's secret) as a
+    function of one buffer: what authenticating every byte written and read costs, and nothing else."""
+    from crf_diloco.auth import Authenticator
+
+    auth, nonce = Authenticator(BENCH_SECRET, "floor-auth"), "00" * 16
+    return lambda view: auth.tag("floor", nonce, 0, [view])
 
 
 _POOL: list[Any] = []
@@ -211,6 +237,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict[str, Any]], o
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     reducers: dict[tuple[str, str], ObjectStoreAllReduce] = {}
+    content_tag = _content_tag()
     for job in jobs:
         g = torch.Generator().manual_seed(rank)
         t = torch.randn(job["numel"], generator=g)
@@ -223,6 +250,8 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict[str, Any]], o
             _naive_allgather(t, job["uri"], rank, world_size, job["tag"])
         elif job["kind"] == "floor-local":
             _floor_local(t, job["uri"], rank, world_size, job["tag"])
+        elif job["kind"] == "floor-auth":
+            _floor_local(t, job["uri"], rank, world_size, job["tag"], mac=content_tag)
         elif job["kind"] == "floor-local-concurrent":
             _floor_local_concurrent(t, job["uri"], rank, world_size, job["tag"])
         else:
@@ -269,7 +298,8 @@ def _run_jobs(world_size: int, jobs: list[dict[str, Any]]) -> dict[str, list[flo
             raise RuntimeError(f"{key}: replicas disagree on the result ({values})")
     times: dict[str, list[float]] = {}
     for (label, _), ranks in sorted(per_job.items()):
-        times.setdefault(label, []).append(max(ranks.values()))
+        if not label.startswith("warmup:"):
+            times.setdefault(label, []).append(max(ranks.values()))
     return times
 
 
@@ -359,6 +389,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--sizes", default="16M,64M", help="comma-separated element counts, e.g. 16M,64M")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed rounds of every variant first (default 3: the protocol keeps keep_rounds=2 rounds of objects, "
+        "so its first rounds write into memory the machine has not handed out before)",
+    )
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--s3-sizes", default=None, help="sizes for the moto S3 runs (default: --sizes)")
     parser.add_argument("--bytes-numel", default="4M")
@@ -369,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
         help="local folder for the file-based variants (default: a new dir in /dev/shm if present, else the temp dir)",
     )
     args = parser.parse_args(argv)
+    if args.reps < 1 or args.warmup < 0:
+        parser.error(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
     if args.bytes_only:
         _bytes_table(_parse_size(args.bytes_numel))
         return
@@ -384,7 +423,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_s3:
             moto, options, s3_uri = _start_moto()
         for numel in sizes:
-            for rep in range(args.reps):
+            for rep in range(args.warmup + args.reps):
+                start = len(jobs)
                 jobs.append({"kind": "gloo", "numel": numel, "label": f"gloo/{numel}"})
                 jobs.append(
                     {
@@ -402,6 +442,15 @@ def main(argv: list[str] | None = None) -> None:
                         "uri": os.path.join(folder, "floor"),
                         "tag": f"{numel}-{rep}",
                         "label": f"floor-local/{numel}",
+                    }
+                )
+                jobs.append(
+                    {
+                        "kind": "floor-auth",
+                        "numel": numel,
+                        "uri": os.path.join(folder, "floor-auth"),
+                        "tag": f"{numel}-{rep}",
+                        "label": f"floor-auth/{numel}",
                     }
                 )
                 jobs.append(
@@ -433,6 +482,9 @@ def main(argv: list[str] | None = None) -> None:
                             "label": f"objstore-s3/{numel}",
                         }
                     )
+                if rep < args.warmup:  # run, not timed
+                    for job in jobs[start:]:
+                        job["label"] = f"warmup:{job['label']}"
         times = _run_jobs(args.replicas, jobs)
     finally:
         if moto is not None:
@@ -448,16 +500,23 @@ def main(argv: list[str] | None = None) -> None:
         f"local folder: {folder}; {os.cpu_count()} CPUs, load average {load_start:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end"
     )
-    print(f"{'elements':>10} {'variant':<18} {'time':>8} {'ratio':>7} {'/ floor':>8}")
+    print(f"{'elements':>10} {'variant':<18} {'time':>8} {'ratio':>7} {'/ floor':>8} {'/ auth floor':>13}")
+    variants = ("gloo", "objstore-local", "floor-local", "floor-concurrent", "floor-auth", "naive-local", "objstore-s3")
     for numel in sizes:
         gloo = statistics.median(times[f"gloo/{numel}"])
         floor = min(statistics.median(times[f"{v}/{numel}"]) for v in ("floor-local", "floor-concurrent"))
-        for variant in ("gloo", "objstore-local", "floor-local", "floor-concurrent", "naive-local", "objstore-s3"):
+        auth_floor = statistics.median(times[f"floor-auth/{numel}"])
+        for variant in variants:
             key = f"{variant}/{numel}"
             if key in times:
                 t = statistics.median(times[key])
-                print(f"{numel:>10,} {variant:<18} {t:>8.3f} {t / gloo:>7.2f} {t / floor:>8.2f}")
-    print("ratio: / Gloo; / floor: / the faster of floor-local and floor-concurrent (the protocol's own I/O floor)")
+                print(
+                    f"{numel:>10,} {variant:<18} {t:>8.3f} {t / gloo:>7.2f} {t / floor:>8.2f} {t / auth_floor:>13.2f}"
+                )
+    print(
+        "ratio: / Gloo; / floor: / the faster of floor-local and floor-concurrent (the protocol's own I/O floor); "
+        "/ auth floor: / floor-auth (that I/O plus the protocol's content tag over every byte written and read)"
+    )
     _bytes_table(_parse_size(args.bytes_numel))
 
 
