@@ -121,9 +121,8 @@ def test_stale_round_files_are_ignored(memory_uri: str, run_replicas: RunReplica
 
     old = run_replicas(old_run, 2)
     keys = RoundKeys(2)
-    for ar in old:
-        ar._announce(keys, PayloadSpec(300, "fp32", "avg", None, False), True)
-    old[0]._await_quorum(keys, stale_self=False)
+    mine = [ar._announce(keys, PayloadSpec(300, "fp32", "avg", None, False), True) for ar in old]
+    old[0]._await_quorum(keys, mine[0])
 
     def replica(rank: int) -> tuple[dict[int, tuple[str, torch.Tensor]], float]:
         ar = ObjectStoreAllReduce(memory_uri, rank, 2, timeout=30, poll_interval=0.01)

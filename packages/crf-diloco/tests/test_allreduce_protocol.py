@@ -156,6 +156,29 @@ def test_store_layout_and_garbage_collection(tmp_path: Any, run_replicas: RunRep
     assert not list(run.rglob(".tmp-*")), "temporary files are linked into place and removed"
 
 
+def test_a_replica_never_reads_back_its_own_announcement(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """Its member record is the one it just created (create-only), so the quorum phase starts from it instead of
+    spending a request per round (a network round trip's share of the bucket's work) on reading it back."""
+    reads: dict[int, list[str]] = {}
+
+    def replica(rank: int) -> list[float]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 3, timeout=20)
+        get, seen = ar.store.try_get, reads.setdefault(rank, [])
+
+        def try_get(key: str, limit: int | None = None) -> bytes | None:
+            seen.append(key)
+            return get(key, limit)
+
+        ar.store.try_get = try_get  # type: ignore[method-assign]
+        with ar:
+            return [float(ar.allreduce(torch.full((4,), float(rank + i)))[0]) for i in range(3)]
+
+    assert run_replicas(replica, 3) == [[1.0, 2.0, 3.0]] * 3
+    for rank, keys in reads.items():
+        assert any("/members/" in k for k in keys), "it reads the others' announcements"
+        assert not [k for k in keys if k.endswith(f"/members/{rank}.json")], rank
+
+
 def test_wire_objects_are_safetensors_not_pickle(tmp_path: Any, run_replicas: RunReplicas) -> None:
     from safetensors import safe_open
 

@@ -64,7 +64,7 @@ from crf_diloco.errors import (
 from crf_diloco.healing import StateSnapshots
 from crf_diloco.layout import RoundKeys, validate_name
 from crf_diloco.payload import as_tensor_list, codec_of, count_nonfinite, dtype_runs, flatten, write_back
-from crf_diloco.records import DecisionRecord, PayloadSpec, QuorumRecord, ranks_named
+from crf_diloco.records import DecisionRecord, MemberRecord, PayloadSpec, QuorumRecord, ranks_named
 from crf_diloco.replica_env import ENV_RANK, ENV_RUN_ID, ENV_SECRET, ENV_URI, ENV_WORLD_SIZE
 from crf_diloco.rounds import frontier as run_frontier
 from crf_diloco.rounds import quorum as quorum_phase
@@ -489,8 +489,8 @@ class ObjectStoreAllReduce:
             decision = self.read_decision(rnd.round_id)
             if decision is not None:  # decided before this replica came
                 return self._join_decided(rnd, decision)
-            stale_self = self._announce(rnd.keys, rnd.spec, rnd.participate)
-            rnd.quorum = self._await_quorum(rnd.keys, stale_self)
+            mine = self._announce(rnd.keys, rnd.spec, rnd.participate)
+            rnd.quorum = self._await_quorum(rnd.keys, mine)
             return self._data_phase(rnd, flat)
         except AllReduceError as exc:
             return self._conclude(rnd, exc)
@@ -655,13 +655,16 @@ class ObjectStoreAllReduce:
         return self._expected
 
     # -- the steps tests and subclasses hook (each one call into its phase) ------------------------------
-    def _announce(self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
-        """`crf_diloco.rounds.quorum.announce`: True if another incarnation of this rank announced already."""
+    def _announce(
+        self, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None
+    ) -> MemberRecord | None:
+        """`crf_diloco.rounds.quorum.announce`: this incarnation's record, ``None`` if another incarnation of this
+        rank announced already."""
         return quorum_phase.announce(self._peer, keys, spec, participate, veto)
 
-    def _await_quorum(self, keys: RoundKeys, stale_self: bool) -> QuorumRecord:
+    def _await_quorum(self, keys: RoundKeys, mine: MemberRecord | None) -> QuorumRecord:
         """`crf_diloco.rounds.quorum.await_quorum` with the replicas this round expects."""
-        return quorum_phase.await_quorum(self._peer, keys, self._settings(), self._learn_expected(), stale_self)
+        return quorum_phase.await_quorum(self._peer, keys, self._settings(), self._learn_expected(), mine)
 
     def _check_spec(self, rnd: Round) -> None:
         """`PayloadMismatchError` (this replica alone) when the round settled on another payload than its own."""

@@ -15,23 +15,28 @@ from crf_diloco.rounds.round import RoundFailure, RoundSettings, poll_until
 __all__ = ["announce", "await_quorum", "propose"]
 
 
-def announce(peer: Peer, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None) -> bool:
-    """Create this replica's member record. True if a record of another incarnation of this rank is already there (a
-    stale round, or this replica's own previous life)."""
+def announce(
+    peer: Peer, keys: RoundKeys, spec: PayloadSpec | None, participate: bool, veto: str | None = None
+) -> MemberRecord | None:
+    """Create this replica's member record and return the one of this incarnation in the round (the one created, or
+    its own earlier one); ``None`` if a record of another incarnation of this rank is there (a stale round, or this
+    replica's own previous life)."""
     record = MemberRecord(peer.rank, peer.incarnation, spec, not participate, veto, world_size=peer.world_size)
     if peer.write_record(keys.member(peer.rank), record):
-        return False
+        return record
     existing = peer.read_member(keys, peer.rank)
-    return existing is None or existing.incarnation != peer.incarnation
+    return existing if existing is not None and existing.incarnation == peer.incarnation else None
 
 
 def await_quorum(
-    peer: Peer, keys: RoundKeys, settings: RoundSettings, expected: set[int] | None, stale_self: bool
+    peer: Peer, keys: RoundKeys, settings: RoundSettings, expected: set[int] | None, mine: MemberRecord | None
 ) -> QuorumRecord:
     """The round's quorum: read it once it exists; propose it (first writer wins) once every ``expected`` replica
-    (default: all ranks) announced, or ``quorum_timeout`` passed. Raises when the round was decided meanwhile, or
-    `RoundFailure` when a record of another incarnation of this rank is in the round."""
-    members: dict[int, MemberRecord] = {}
+    (default: all ranks) announced, or ``quorum_timeout`` passed. ``mine``: this replica's record in the round
+    (`announce`; never read back), ``None`` when it found another incarnation's there. Raises when the round was
+    decided meanwhile, or `RoundFailure` when a record of another incarnation of this rank is in the round."""
+    stale_self = mine is None
+    members: dict[int, MemberRecord] = {} if mine is None else {peer.rank: mine}
     want = expected if expected is not None else set(range(peer.world_size))
 
     def probe(late: bool) -> QuorumRecord | None:
