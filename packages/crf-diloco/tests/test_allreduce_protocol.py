@@ -179,6 +179,37 @@ def test_a_replica_never_reads_back_its_own_announcement(memory_uri: str, run_re
         assert not [k for k in keys if k.endswith(f"/members/{rank}.json")], rank
 
 
+def _record_listings(ar: ObjectStoreAllReduce, listed: list[str]) -> None:
+    list_names = ar.store.list_names
+
+    def recorded(key: str) -> list[str]:
+        listed.append(key)
+        return list_names(key)
+
+    ar.store.list_names = recorded  # type: ignore[method-assign]
+
+
+def test_members_are_listed_only_while_some_rank_is_not_expected(memory_uri: str, run_replicas: RunReplicas) -> None:
+    """With every rank expected (the first round, and after rounds every rank took part in) a listing of
+    ``members/`` could find no one else: no replica sends one. With a rank missing from the last round, the quorum
+    wait lists ``members/`` to find it if it comes back."""
+    listed: dict[int, list[str]] = {}
+
+    def replica(rank: int, world_size: int, rounds: int) -> None:
+        ar = ObjectStoreAllReduce(memory_uri, rank, world_size, timeout=20, quorum_timeout=0.5, run_id=f"w{world_size}")
+        ar.join()  # finding the live round may list a round's members/; the quorum waits are what is counted
+        _record_listings(ar, listed.setdefault(rank + 10 * world_size, []))
+        with ar:
+            for i in range(rounds):
+                ar.allreduce(torch.full((4,), float(i)))
+
+    run_replicas(lambda rank: replica(rank, 3, 3), 3)
+    assert not [k for r in (30, 31, 32) for k in listed[r] if "members" in k], listed
+    run_replicas(lambda rank: replica(rank, 4, 2), 3)  # rank 3 never comes: round 0 waits out its quorum deadline
+    for r in (40, 41, 42):
+        assert "r00000001/members" in listed[r], listed[r]
+
+
 def test_wire_objects_are_safetensors_not_pickle(tmp_path: Any, run_replicas: RunReplicas) -> None:
     from safetensors import safe_open
 

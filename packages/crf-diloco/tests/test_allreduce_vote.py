@@ -119,12 +119,12 @@ def test_the_last_voter_settles_the_round_in_two_round_trips(
     ars[1].close()  # its data phase's background work is done: what follows is the vote
     before = ars[1].store.traffic()
     assert ars[1].vote(True) is True
-    ars[1].close()  # and the listing of the round's announcers that `_finish` starts in the background
+    ars[1].close()  # and any background work `_finish` starts (none: every rank took part, nobody is to list)
     spent = ars[1].store.traffic() - before
     voter.join(20)
     assert first == [True]
-    assert spent.requests == 6, spent  # vote + decision + rank 0's vote | decision create + read | announcers
-    assert spent.round_trips == 3, spent  # the vote's two waves, the background listing's one
+    assert spent.requests == 5, spent  # vote + decision + rank 0's vote | decision create + read
+    assert spent.round_trips == 2, spent  # the vote's two waves
 
 
 def test_a_vote_into_a_collected_round_is_taken_back(memory_uri: str) -> None:

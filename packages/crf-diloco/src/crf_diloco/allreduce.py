@@ -630,7 +630,12 @@ class ObjectStoreAllReduce:
             participated = self.rank in participants
         self.last_round = RoundInfo(rnd.round_id, outcome, participants, participated, reason)
         self._learn_expected()  # the previous round's, before this one's
-        self._announcers = (rnd.quorum, self._peer.read(self._announced, rnd.keys))
+        if rnd.quorum is not None and len(rnd.quorum.participants) == self.world_size:
+            listing: concurrent.futures.Future[set[int]] = concurrent.futures.Future()
+            listing.set_result(set())  # every rank took part: no announcer can add to the next round's expected
+        else:
+            listing = self._peer.read(self._announced, rnd.keys)
+        self._announcers = (rnd.quorum, listing)
         keep = self.keep_rounds
         if participants and self.rank == min(participants) and rnd.round_id >= keep:
             self._peer.submit(run_frontier.collect, self._peer, rnd.round_id - keep, keep)

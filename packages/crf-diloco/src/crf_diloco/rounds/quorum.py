@@ -39,13 +39,16 @@ def await_quorum(
     members: dict[int, MemberRecord] = {} if mine is None else {peer.rank: mine}
     want = expected if expected is not None else set(range(peer.world_size))
 
+    everyone = want >= set(range(peer.world_size))  # a listing of members/ could find no one beyond them
+
     def probe(late: bool) -> QuorumRecord | None:
-        # one wave: the quorum, the decision, the listing and the expected announcements not read yet
+        # one wave: the quorum, the decision, the listing (unless every rank is expected) and the expected
+        # announcements not read yet
         unread = sorted(want - set(members))
         quorum, decided, names, *records = peer.outcomes([
             partial(peer.read_quorum, keys.round_id),
             partial(peer.check_decided, keys, settings.keep_rounds),
-            partial(peer.store.list_names, keys.members_dir),
+            (lambda: []) if everyone else partial(peer.store.list_names, keys.members_dir),
             *(partial(peer.read_member, keys, r) for r in unread),
         ])  # fmt: skip
         if isinstance(quorum, BaseException):
