@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +210,35 @@ def test_members_are_listed_only_while_some_rank_is_not_expected(memory_uri: str
     run_replicas(lambda rank: replica(rank, 4, 2), 3)  # rank 3 never comes: round 0 waits out its quorum deadline
     for r in (40, 41, 42):
         assert "r00000001/members" in listed[r], listed[r]
+
+
+def test_a_quorum_wait_reads_the_decision_at_most_every_decision_gap(memory_uri: str) -> None:
+    """Rank 0 waits ~1 s for rank 1's announcement, polling every 10 ms: every poll reads the quorum, but the
+    decision (a round decided before its quorum is rare) only on the first poll and then every `DECISION_GAP`."""
+    from crf_diloco.rounds.round import DECISION_GAP
+
+    ars = [ObjectStoreAllReduce(memory_uri, r, 2, timeout=20, poll_interval=0.01) for r in range(2)]
+    seen: list[str] = []
+    get = ars[0].store.try_get
+
+    def try_get(key: str, limit: int | None = None) -> bytes | None:
+        seen.append(key)
+        return get(key, limit)
+
+    ars[0].store.try_get = try_get  # type: ignore[method-assign]
+    late = threading.Timer(1.0, lambda: ars[1].allreduce(torch.ones(4)))
+    late.start()
+    started = time.monotonic()
+    ars[0].allreduce(torch.ones(4))
+    waited = time.monotonic() - started
+    late.join()
+    for ar in ars:
+        ar.close()
+    quorum_reads = seen.count("r00000000/quorum.json")
+    decision_reads = seen.count("r00000000/decision.json")
+    assert quorum_reads >= 20, seen  # the wait polled
+    # the quorum wait's first read and one per gap, then the data phase's (its collection check, its decision)
+    assert decision_reads <= 6 + waited / DECISION_GAP, (decision_reads, quorum_reads, waited)
 
 
 def test_wire_objects_are_safetensors_not_pickle(tmp_path: Any, run_replicas: RunReplicas) -> None:

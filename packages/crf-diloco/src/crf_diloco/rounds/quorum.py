@@ -10,7 +10,7 @@ from functools import partial
 from crf_diloco.layout import RoundKeys
 from crf_diloco.records import MemberRecord, PayloadSpec, QuorumRecord, ranks_named
 from crf_diloco.rounds.peer import Peer
-from crf_diloco.rounds.round import RoundFailure, RoundSettings, poll_until
+from crf_diloco.rounds.round import DecisionChecks, RoundFailure, RoundSettings, poll_until
 
 __all__ = ["announce", "await_quorum", "propose"]
 
@@ -40,14 +40,15 @@ def await_quorum(
     want = expected if expected is not None else set(range(peer.world_size))
 
     everyone = want >= set(range(peer.world_size))  # a listing of members/ could find no one beyond them
+    decisions = DecisionChecks()  # the first wave reads the decision, later ones at most every DECISION_GAP
 
     def probe(late: bool) -> QuorumRecord | None:
-        # one wave: the quorum, the decision, the listing (unless every rank is expected) and the expected
-        # announcements not read yet
+        # one wave: the quorum, the decision when due (a round decided before its quorum is rare), the listing
+        # (unless every rank is expected) and the expected announcements not read yet
         unread = sorted(want - set(members))
         quorum, decided, names, *records = peer.outcomes([
             partial(peer.read_quorum, keys.round_id),
-            partial(peer.check_decided, keys, settings.keep_rounds),
+            partial(peer.check_decided, keys, settings.keep_rounds) if decisions.due(late) else (lambda: None),
             (lambda: []) if everyone else partial(peer.store.list_names, keys.members_dir),
             *(partial(peer.read_member, keys, r) for r in unread),
         ])  # fmt: skip

@@ -17,14 +17,32 @@ from crf_diloco.layout import RoundKeys
 from crf_diloco.records import PayloadSpec, QuorumRecord
 from crf_diloco.wire import ShardPlan
 
-__all__ = ["Round", "RoundFailure", "RoundSettings", "poll_until", "why"]
+__all__ = ["DecisionChecks", "Round", "RoundFailure", "RoundSettings", "poll_until", "why"]
 
 T = TypeVar("T")
 Pending = list["concurrent.futures.Future[None]"]
 
 
 DECISION_GAP = 0.25
-"""Seconds between two reads of a round's decision while its data phase waits (`Round.decision_due`)."""
+"""Seconds between two reads of a round's decision while its quorum or data phase waits (`DecisionChecks`)."""
+
+
+@dataclass
+class DecisionChecks:
+    """When a wait reads its round's decision beside what it waits for: at most every `DECISION_GAP` seconds after
+    ``last`` (a `time.monotonic` value), and always once ``late``. A healthy round's objects arrive sooner, so most
+    polls send no decision read (each a request the bucket serves and bills, and the client pays a few ms of CPU
+    for); a round decided meanwhile is noticed within the gap."""
+
+    last: float = -math.inf
+
+    def due(self, late: bool) -> bool:
+        """Whether this poll reads the decision (then counted as read now)."""
+        now = time.monotonic()
+        if late or now - self.last >= DECISION_GAP:
+            self.last = now
+            return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -60,7 +78,7 @@ class Round:
     contributed: bool = False
     started: float = 0.0
     deadline: float = math.inf
-    decision_read: float = 0.0
+    decisions: DecisionChecks = field(default_factory=DecisionChecks)
     pending: Pending = field(default_factory=list)
     staged: tuple[str, torch.Tensor] | None = None
 
@@ -89,19 +107,14 @@ class Round:
 
     def start_data_phase(self) -> None:
         """Start the data phase's clock: every wait of it ends ``timeout`` seconds from now."""
-        self.started = self.decision_read = time.monotonic()
+        self.started = time.monotonic()
+        self.decisions = DecisionChecks(self.started)
         self.deadline = self.started + self.settings.timeout
 
     def decision_due(self, late: bool) -> bool:
-        """Whether this poll of the data phase reads the round's decision beside its data: once `DECISION_GAP`
-        seconds passed since the phase began or the last such read, and always once ``late``. A healthy round's data
-        arrives sooner, so its polls send no decision reads (each a request the bucket serves and bills, and the
-        client pays a few ms of CPU for); a round aborted meanwhile is noticed within the gap."""
-        now = time.monotonic()
-        if late or now - self.decision_read >= DECISION_GAP:
-            self.decision_read = now
-            return True
-        return False
+        """Whether this poll of the data phase reads the round's decision beside its data (`DecisionChecks`; the
+        first read is due `DECISION_GAP` seconds into the phase)."""
+        return self.decisions.due(late)
 
     def check_writes(self) -> None:
         """Raise `RoundFailure` as soon as one of this round's background writes failed."""
