@@ -384,6 +384,15 @@ def _bytes_table(numel: int) -> None:
             )
 
 
+#: the file-based variants beside the protocol: (job kind, folder under the benchmark's, label)
+FILE_VARIANTS = (
+    ("floor-local", "floor", "floor-local"),
+    ("floor-auth", "floor-auth", "floor-auth"),
+    ("floor-local-concurrent", "floor-concurrent", "floor-concurrent"),
+    ("naive-local", "naive", "naive-local"),
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--replicas", type=int, default=4)
@@ -424,53 +433,27 @@ def main(argv: list[str] | None = None) -> None:
             moto, options, s3_uri = _start_moto()
         for numel in sizes:
             for rep in range(args.warmup + args.reps):
-                start = len(jobs)
-                jobs.append({"kind": "gloo", "numel": numel, "label": f"gloo/{numel}"})
+                untimed = "warmup:" if rep < args.warmup else ""  # warm-up rounds run, their times are dropped
+                jobs.append({"kind": "gloo", "numel": numel, "label": f"{untimed}gloo/{numel}"})
                 jobs.append(
                     {
                         "kind": "objstore",
                         "numel": numel,
                         "uri": folder,
                         "run_id": f"local{numel}",
-                        "label": f"objstore-local/{numel}",
+                        "label": f"{untimed}objstore-local/{numel}",
                     }
                 )
-                jobs.append(
-                    {
-                        "kind": "floor-local",
-                        "numel": numel,
-                        "uri": os.path.join(folder, "floor"),
-                        "tag": f"{numel}-{rep}",
-                        "label": f"floor-local/{numel}",
-                    }
-                )
-                jobs.append(
-                    {
-                        "kind": "floor-auth",
-                        "numel": numel,
-                        "uri": os.path.join(folder, "floor-auth"),
-                        "tag": f"{numel}-{rep}",
-                        "label": f"floor-auth/{numel}",
-                    }
-                )
-                jobs.append(
-                    {
-                        "kind": "floor-local-concurrent",
-                        "numel": numel,
-                        "uri": os.path.join(folder, "floor-concurrent"),
-                        "tag": f"{numel}-{rep}",
-                        "label": f"floor-concurrent/{numel}",
-                    }
-                )
-                jobs.append(
-                    {
-                        "kind": "naive-local",
-                        "numel": numel,
-                        "uri": os.path.join(folder, "naive"),
-                        "tag": f"{numel}-{rep}",
-                        "label": f"naive-local/{numel}",
-                    }
-                )
+                for kind, subdir, name in FILE_VARIANTS:
+                    jobs.append(
+                        {
+                            "kind": kind,
+                            "numel": numel,
+                            "uri": os.path.join(folder, subdir),
+                            "tag": f"{numel}-{rep}",
+                            "label": f"{untimed}{name}/{numel}",
+                        }
+                    )
                 if moto is not None and numel in s3_sizes:
                     jobs.append(
                         {
@@ -479,12 +462,9 @@ def main(argv: list[str] | None = None) -> None:
                             "uri": s3_uri,
                             "run_id": f"s3{numel}",
                             "options": options,
-                            "label": f"objstore-s3/{numel}",
+                            "label": f"{untimed}objstore-s3/{numel}",
                         }
                     )
-                if rep < args.warmup:  # run, not timed
-                    for job in jobs[start:]:
-                        job["label"] = f"warmup:{job['label']}"
         times = _run_jobs(args.replicas, jobs)
     finally:
         if moto is not None:

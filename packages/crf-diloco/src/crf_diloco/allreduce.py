@@ -186,7 +186,7 @@ class ObjectStoreAllReduce:
         self._store_checked = False
         self._layout_ok = False
         self._expected: set[int] | None = None
-        self._announcers: tuple[QuorumRecord | None, concurrent.futures.Future[set[int]]] | None = None
+        self._announcers: tuple[QuorumRecord | None, concurrent.futures.Future[set[int]] | None] | None = None
         self._open: list[Round] = []
         self._closed = False
         self._residuals: dict[str, torch.Tensor] = {}
@@ -630,12 +630,9 @@ class ObjectStoreAllReduce:
             participated = self.rank in participants
         self.last_round = RoundInfo(rnd.round_id, outcome, participants, participated, reason)
         self._learn_expected()  # the previous round's, before this one's
-        if rnd.quorum is not None and len(rnd.quorum.participants) == self.world_size:
-            listing: concurrent.futures.Future[set[int]] = concurrent.futures.Future()
-            listing.set_result(set())  # every rank took part: no announcer can add to the next round's expected
-        else:
-            listing = self._peer.read(self._announced, rnd.keys)
-        self._announcers = (rnd.quorum, listing)
+        everyone = rnd.quorum is not None and len(rnd.quorum.participants) == self.world_size
+        # when every rank took part, no announcer can add to who the next round expects: nothing to list
+        self._announcers = (rnd.quorum, None if everyone else self._peer.read(self._announced, rnd.keys))
         keep = self.keep_rounds
         if participants and self.rank == min(participants) and rnd.round_id >= keep:
             self._peer.submit(run_frontier.collect, self._peer, rnd.round_id - keep, keep)
@@ -652,7 +649,7 @@ class ObjectStoreAllReduce:
         any round; after a round aborted before its quorum, who was expected and who announced)."""
         if self._announcers is not None:
             (quorum, listing), self._announcers = self._announcers, None
-            announced = listing.result()
+            announced = listing.result() if listing is not None else set()
             if quorum is not None:
                 self._expected = ((set(quorum.participants) | announced) - set(quorum.rejected)) or None
             elif self._expected is not None:

@@ -20,7 +20,7 @@ __all__ = ["gather"]
 def gather(peer: Peer, rnd: Round, done: set[int], cover: Callable[[int], None] | None) -> torch.Tensor:
     """Read every reduced shard not in ``done`` into the result buffer and return it.
 
-    Every missing shard is read at once, with the round's decision beside them when due (`Round.decision_due`; one
+    Every missing shard is read at once, with the round's decision beside them when due (`Round.decisions`; one
     round trip per poll over a network). ``cover(shard)`` computes and creates a missing shard; it is called for the lowest missing one once
     ``straggler_grace`` seconds of the data phase passed (``None``: never cover, e.g. a replica following a commit).
     Raises when the round was decided meanwhile, one of this round's writes failed, a shard is corrupt, or the data
@@ -46,7 +46,7 @@ def gather(peer: Peer, rnd: Round, done: set[int], cover: Callable[[int], None] 
 
     def probe(late: bool) -> torch.Tensor | None:
         missing = [k for k in range(plan.n_shards) if k not in done]
-        due = [check_decided] if rnd.decision_due(late) else []
+        due = [check_decided] if rnd.decisions.due(late) else []
         found = peer.outcomes([*(partial(read, k) for k in missing), *due])
         decided = found.pop() if due else None
         for k, ok in zip(missing, found, strict=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 
 from crf_diloco.layout import RoundKeys
@@ -35,7 +36,6 @@ def await_quorum(
     (default: all ranks) announced, or ``quorum_timeout`` passed. ``mine``: this replica's record in the round
     (`announce`; never read back), ``None`` when it found another incarnation's there. Raises when the round was
     decided meanwhile, or `RoundFailure` when a record of another incarnation of this rank is in the round."""
-    stale_self = mine is None
     members: dict[int, MemberRecord] = {} if mine is None else {peer.rank: mine}
     want = expected if expected is not None else set(range(peer.world_size))
 
@@ -46,19 +46,20 @@ def await_quorum(
         # one wave: the quorum, the decision when due (a round decided before its quorum is rare), the listing
         # (unless every rank is expected) and the expected announcements not read yet
         unread = sorted(want - set(members))
-        quorum, decided, names, *records = peer.outcomes([
-            partial(peer.read_quorum, keys.round_id),
-            partial(peer.check_decided, keys, settings.keep_rounds) if decisions.due(late) else (lambda: None),
-            (lambda: []) if everyone else partial(peer.store.list_names, keys.members_dir),
-            *(partial(peer.read_member, keys, r) for r in unread),
-        ])  # fmt: skip
+        check = decisions.due(late)
+        calls: list[Callable[[], object]] = [partial(peer.read_quorum, keys.round_id)]
+        calls += [partial(peer.check_decided, keys, settings.keep_rounds)] if check else []
+        calls += [] if everyone else [partial(peer.store.list_names, keys.members_dir)]
+        found = peer.outcomes([*calls, *(partial(peer.read_member, keys, r) for r in unread)])
+        quorum, decided = found[0], found[1] if check else None
+        names, records = ([] if everyone else found[len(calls) - 1]), found[len(calls) :]
         if isinstance(quorum, BaseException):
             raise quorum
         if quorum is not None:
             return quorum
         if isinstance(decided, BaseException):
             raise decided
-        if stale_self:
+        if mine is None:
             raise RoundFailure(
                 f"round {keys.round_id} holds a member record of another incarnation of rank {peer.rank}"
             )

@@ -98,7 +98,7 @@ def fetch_slices(peer: Peer, rnd: Round, shard: int, ranks: list[int], first_int
                 fills, prefetched = prefetch_payload_shard(peer.store, keys.data(r), plan, shard, *where(r))
                 spans[r] = (len(calls), len(calls) + len(fills), prefetched)
                 calls += fills
-        due = [partial(_check_decided, peer, rnd)] if rnd.decision_due(late) else []
+        due = [partial(_check_decided, peer, rnd)] if rnd.decisions.due(late) else []
         found = peer.outcomes([*calls, *due])
         decided = found.pop() if due else None
         for r, (first, last, prefetched) in spans.items():

@@ -106,15 +106,11 @@ class Round:
         return self.formed.plan
 
     def start_data_phase(self) -> None:
-        """Start the data phase's clock: every wait of it ends ``timeout`` seconds from now."""
+        """Start the data phase's clock: every wait of it ends ``timeout`` seconds from now, and its first read of the
+        decision is due `DECISION_GAP` seconds from now (``decisions``)."""
         self.started = time.monotonic()
         self.decisions = DecisionChecks(self.started)
         self.deadline = self.started + self.settings.timeout
-
-    def decision_due(self, late: bool) -> bool:
-        """Whether this poll of the data phase reads the round's decision beside its data (`DecisionChecks`; the
-        first read is due `DECISION_GAP` seconds into the phase)."""
-        return self.decisions.due(late)
 
     def check_writes(self) -> None:
         """Raise `RoundFailure` as soon as one of this round's background writes failed."""
