@@ -235,6 +235,10 @@ def _parser() -> argparse.ArgumentParser:
              "DiLoCo fragment_sync_delay, crf-diloco's MockManager(overlap=True)); the inner steps taken meanwhile are "
              "replaced by the round's result (fragment_update_alpha 0), so the replicas still end bit-identical; 0: "
              "the round runs at its step, as plain DiLoCo")  # fmt: skip
+    add("--vote-scope", choices=("run", "replica"), default="run",
+        help="DiLoCo's should_commit (crf-diloco's MockManager(vote_scope=...)): run, a vote of every replica through "
+             "the store, the same answer everywhere (a barrier of two round trips per round); replica, torchft's scope: "
+             "each replica decides for itself without a request, one that disagrees heals from the store")  # fmt: skip
     add("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
     add("--replica-timeout", type=float, default=3600.0, help="seconds before the replicas are stopped")
     add("--seed", type=int, default=0)

@@ -114,6 +114,7 @@ class JobSpec:
     device: str
     agent: bool = False  # --agent: multi-turn episodes in a CodingEnvironment (main_job.agent)
     sync_delay: int = 0  # torchft's fragment_sync_delay: a round starts this many inner steps early, in the background
+    vote_scope: str = "run"  # MockManager(vote_scope=...): "run", a store-wide vote at should_commit; "replica", none
 
     @classmethod
     def from_options(cls, opts: Any, *, output: Path, pairs: Path, isolation: str, agent: bool = False) -> JobSpec:
@@ -150,12 +151,15 @@ class JobSpec:
             device=opts.device,
             agent=agent,
             sync_delay=opts.sync_delay,
+            vote_scope=opts.vote_scope,
         )
 
     def __post_init__(self) -> None:
         if sorted(self.weights) != sorted(CHANNELS):
             raise ValueError(f"weights must name exactly the channels {CHANNELS}, got {sorted(self.weights)}")
         compression(self.codec)
+        if self.vote_scope not in ("run", "replica"):
+            raise ValueError(f"vote_scope must be 'run' or 'replica', got {self.vote_scope!r}")
         check_schedule(self.steps, self.sync_every, self.sync_delay)
 
 

@@ -187,7 +187,8 @@ def run_replica(job: Path) -> ReplicaReport:
     repeats = -(-spec.steps * spec.prompts_per_step // len(rows)) + 1
     trainer = build_trainer(spec, rank, model, tokenizer, reward, Dataset.from_list(rows * repeats))
     trainer.remove_callback(PrinterCallback)  # the progress callback prints a compact line instead
-    manager = MockManager(allreduce)  # overlap=True: with --sync-delay a round runs on its background thread
+    # overlap=True: with --sync-delay a round runs on its background thread
+    manager = MockManager(allreduce, vote_scope=spec.vote_scope)  # type: ignore[arg-type]
     history: list[StepRecord] = []
     trainer.add_callback(_progress(spec, rank, history, manager, allreduce, start))
     trainer.create_optimizer()

@@ -201,8 +201,9 @@ def test_main_job_quick_s3(
     composer_main: ModuleType, tmp_path: Path, moto_s3: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The quick run with ``--store s3://…`` against moto's S3 server through s3fs (real HTTP, create-only writes),
-    with the sparse codec on the wire and each round started a step early in the background (Streaming DiLoCo's
-    overlap): the replicas still end bit-identical."""
+    with the sparse codec on the wire, each round started a step early in the background (Streaming DiLoCo's
+    overlap) and torchft's replica-scoped ``should_commit`` (no store-wide vote): the replicas still end
+    bit-identical."""
     store = f"s3://{moto_s3['bucket']}/runs"
     options = [
         f"endpoint_url={moto_s3['endpoint']}",
@@ -212,16 +213,17 @@ def test_main_job_quick_s3(
     ]
     argv = ["--quick", "--output-dir", str(tmp_path), "--store", store, "--run-id", "s3-quick"]
     argv += ["--codec", "topk", "--sync-every", "4", "--sync-delay", "2"]  # one round, overlapped with one step
+    argv += ["--vote-scope", "replica"]
     argv += ["--link", "40ms,50MB/s"]  # the report sets each sync against its floor on that link
     argv += [x for option in options for x in ("--storage-option", option)]
     outcome = composer_main.main(argv)
     printed = capsys.readouterr().out
     assert f"store {store}" in printed
-    assert "(topk on the wire), started 2 steps early in the background" in printed
+    assert "(topk on the wire), started 2 steps early in the background, vote scope replica" in printed
     from main_job.records import JobSpec, read_record
 
     spec = read_record(JobSpec, tmp_path / "job.json")
-    assert (spec.codec, spec.sync_every, spec.sync_delay) == ("topk", 4, 2)
+    assert (spec.codec, spec.sync_every, spec.sync_delay, spec.vote_scope) == ("topk", 4, 2, "replica")
     for r in outcome.replicas:
         assert r.rounds_committed == 1
         assert r.bytes_written > 0

@@ -167,6 +167,8 @@ def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleTyp
             JobSpec(**{**data, "sync_delay": delay})
     with pytest.raises(ValueError, match="exactly the channels"):
         JobSpec(**{**data, "weights": {"grpo": 1.0}})
+    with pytest.raises(ValueError, match="vote_scope must be 'run' or 'replica', got 'group'"):
+        JobSpec(**{**data, "vote_scope": "group"})
 
 
 # --------------------------------------------------------------------------- evaluation arithmetic
@@ -202,6 +204,7 @@ def test_channels_flag_and_bad_arguments(composer_main: ModuleType) -> None:
         ["--steps", "15", "--sync-every", "10"],
         ["--sync-delay", "10"],
         ["--sync-delay", "-1"],
+        ["--vote-scope", "group"],
         ["--channels", "grpo", "--grpo-weight", "0"],
         ["--generations", "1"],
         ["--replicas", "0"],

@@ -328,6 +328,37 @@ def test_late_replica_observes_committed_round(memory_uri: str, run_replicas: Ru
     assert not ar1.last_round.participated
 
 
+def test_an_observer_announcement_settles_its_rank_so_nobody_waits_for_it(
+    memory_uri: str, run_replicas: RunReplicas
+) -> None:
+    """A healing replica announces a round as an observer: it will never contribute to it, so the participants form
+    the quorum at once instead of waiting ``quorum_timeout`` (an hour here) for it; it reads their result."""
+    announced = threading.Barrier(2, timeout=30)
+
+    def replica(rank: int) -> tuple[torch.Tensor, list[int], bool]:
+        ar = ObjectStoreAllReduce(memory_uri, rank, 2, timeout=3600, quorum_timeout=3600)
+        if rank == 0:
+            announced.wait()  # the observer's record is in the round before this replica looks
+        t = torch.full((3,), 4.0 if rank == 0 else -1.0)
+        if rank == 1:
+            announce = ar._announce
+
+            def announce_then_signal(*args: Any, **kwargs: Any) -> Any:
+                record = announce(*args, **kwargs)
+                announced.wait()
+                return record
+
+            ar._announce = announce_then_signal  # type: ignore[method-assign]
+        ar.allreduce(t, participate=rank == 0)
+        assert ar.last_round is not None
+        return t, list(ar.last_round.participants), ar.last_round.participated
+
+    results = run_replicas(replica, 2, timeout=60)
+    assert [r[1] for r in results] == [[0], [0]]
+    assert [r[2] for r in results] == [True, False]
+    assert all(torch.equal(t, torch.full((3,), 4.0)) for t, _, _ in results)
+
+
 def test_payload_mismatch_fails_loudly_alone(memory_uri: str, run_replicas: RunReplicas) -> None:
     """Rank 2 passes 5 elements where ranks 0 and 1 pass 4: it alone raises PayloadMismatchError (not an
     AllReduceError), with its tensor unchanged, and the other two commit their round without it, every round."""

@@ -54,10 +54,11 @@ DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
 class SyncRecord:
     """One sync as this replica saw it (`MockManager.syncs`).
 
-    ``round_id``: its last object-store round; ``committed``: the store-wide vote; ``seconds``: wall time of its
-    rounds and vote (not of the training they overlapped); ``traffic``: what this replica's store carried meanwhile
-    (background work of the protocol included). With a `crf_diloco.link.Link`, ``link.floor_s(traffic.bytes_read +
-    traffic.bytes_written, traffic.busy_round_trips)`` is the time the sync could not beat on that network.
+    ``round_id``: its last object-store round; ``committed``: what ``should_commit()`` returned; ``seconds``: wall
+    time of its rounds and vote (not of the training they overlapped); ``traffic``: what this replica's store carried
+    meanwhile (background work of the protocol included). With a `crf_diloco.link.Link`,
+    ``link.floor_s(traffic.bytes_read + traffic.bytes_written, traffic.busy_round_trips)`` is the time the sync could
+    not beat on that network.
     """
 
     round_id: int | None
@@ -89,9 +90,8 @@ class ObjectStoreWork(dist._Work):
     travels in one object-store round (per ``(op, compression)``), which runs in the background from that call on
     (``MockManager(overlap=True)``, the default: training goes on while it syncs) or inside the first ``wait()``
     (``overlap=False``). ``wait()`` blocks until the round ran and returns True once its data phase succeeded (the
-    tensor then holds the reduced values; whether the sync commits is decided by the store-wide
-    ``should_commit()`` vote, as in torchft), and False instead of raising: the error goes to the manager, so
-    ``should_commit()`` votes False. ``get_future()`` completes with the tensor (unchanged on failure) when the
+    tensor then holds the reduced values; whether the sync commits is decided at ``should_commit()``, as in
+    torchft), and False instead of raising: the error goes to the manager, so ``should_commit()`` votes False. ``get_future()`` completes with the tensor (unchanged on failure) when the
     round ends and supports ``.then`` (callbacks run on the thread that ran the round).
     """
 
@@ -161,13 +161,20 @@ class MockManager:
       (``fragment_sync_delay``), and ``wait()`` / ``should_commit()`` block only for what is left.
       Every replica makes the same calls, so the rounds are the same everywhere. ``should_quantize=True``
       uses int8 row-wise compression unless the allreduce already compresses.
-    * ``should_commit()`` is a store-wide vote, like torchft's collective ``should_commit``: the
-      sync's rounds run with ``defer_decision=True``, and each participant votes True only if all
-      its rounds succeeded, it reported no error (even one reported after the allreduce finished)
-      and at least ``min_replica_size`` replicas took part. One decision object per round settles
-      the vote (``ObjectStoreAllReduce.vote``), so every participant gets the same answer. A
-      replica that errored before its round ran vetoes that round instead
-      (``ObjectStoreAllReduce.abort``). Observers (healing replicas) do not vote. On True the step
+    * ``should_commit()``: this replica's vote is True only if all its rounds succeeded, it reported no
+      error (even one reported after the allreduce finished) and at least ``min_replica_size`` replicas
+      took part. ``vote_scope="run"`` (the default) makes it a store-wide vote: the sync's rounds run
+      with ``defer_decision=True`` and one decision object per round settles the votes
+      (``ObjectStoreAllReduce.vote``), so every participant gets the same answer, at the price of a
+      barrier at ``should_commit()`` (two round trips and the wait for the slowest voter).
+      ``vote_scope="replica"`` is torchft's own scope (its ``should_commit`` is a collective within a
+      replica group; different groups may return different values): each round decides itself when
+      its data phase completes, and ``should_commit()`` returns this replica's vote without a request;
+      a replica that votes False on a round that committed is behind the store and heals from that
+      round's state at its next ``start_quorum()`` (``min_replica_size`` must then not exceed the
+      allreduce's ``min_participants``, which aborts a round with too few participants in the store).
+      In both scopes a replica that errored before its round ran vetoes that round
+      (``ObjectStoreAllReduce.abort``), observers (healing replicas) do not vote, and on True the step
       advances.
     * Healing: one participant of a committed round (``participants[round % len(participants)]``, so the
       uploads rotate) writes the global state (every ``register_state_dict_fn`` state plus
@@ -187,6 +194,8 @@ class MockManager:
         use_async_quorum: must be False (DiLoCo requires a synchronous quorum).
         overlap: run each sync's rounds on a background thread from the manager's first call after the
             ``allreduce`` calls (default True); False runs them inside the first ``wait()``.
+        vote_scope: ``"run"`` (default): ``should_commit()`` is a store-wide vote, the same answer everywhere;
+            ``"replica"``: torchft's scope, no barrier at ``should_commit()`` (a replica that disagrees heals).
     """
 
     def __init__(
@@ -198,6 +207,7 @@ class MockManager:
         heal_timeout: float | None = None,
         use_async_quorum: bool = False,
         overlap: bool = True,
+        vote_scope: Literal["run", "replica"] = "run",
     ) -> None:
         if not isinstance(allreduce, ObjectStoreAllReduce):
             raise TypeError(f"allreduce must be an ObjectStoreAllReduce, got {type(allreduce).__name__}")
@@ -211,8 +221,20 @@ class MockManager:
             raise ValueError(f"heal_timeout must be > 0 seconds or None, got {heal_timeout!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool (True: sync in the background), got {type(overlap).__name__}")
+        if vote_scope not in ("run", "replica"):
+            raise ValueError(
+                f"vote_scope must be 'run' (a store-wide vote at should_commit) or 'replica' (torchft's scope: each "
+                f"replica decides for itself, one that disagrees heals), got {vote_scope!r}"
+            )
+        if vote_scope == "replica" and min_replica_size > allreduce.min_participants:
+            raise ValueError(
+                f"with vote_scope='replica' the rounds decide themselves, so a round with fewer than "
+                f"min_replica_size={min_replica_size} participants must abort in the store: pass "
+                f"ObjectStoreAllReduce(min_participants={min_replica_size}) (it has {allreduce.min_participants})"
+            )
         self._use_async_quorum = False
         self._overlap = overlap
+        self._vote_scope = vote_scope
         self._threads: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # "sync" and "upload" (`_background`)
         self._job: concurrent.futures.Future[None] | None = None  # the last sync's rounds
         self._tail: concurrent.futures.Future[Any] | None = None  # the last task of the sync thread
@@ -455,7 +477,7 @@ class MockManager:
                         op,  # type: ignore[arg-type]
                         compression=compression,
                         participate=not self._observe_next,
-                        defer_decision=True,
+                        defer_decision=self._vote_scope == "run",
                     )
                     ok = True
             except AllReduceError as e:
@@ -484,11 +506,12 @@ class MockManager:
             return False
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
-        """Finish pending rounds, vote, and return the store-wide decision of this sync.
+        """Finish pending rounds, vote, and return whether this sync commits here.
 
         This replica votes True iff all its rounds succeeded, no error was reported (also after the
-        allreduce) and at least ``min_replica_size`` replicas took part; the sync commits iff every
-        participant voted True, and every participant gets the same answer.
+        allreduce) and at least ``min_replica_size`` replicas took part. ``vote_scope="run"``: the sync
+        commits iff every participant voted True, and every participant gets the same answer;
+        ``"replica"``: the vote is the answer (its rounds decided themselves; no request).
         """
         self._finish_rounds()
         if self._errored is not None and not self._rounds_ok:
@@ -508,7 +531,10 @@ class MockManager:
             reason = f"{self.num_participants()} participant(s) < min_replica_size={self._min_replica_size}"
         else:
             reason = "a round of this sync failed"
-        ok = self._timed(lambda: self._vote(local_ok, reason)) and local_ok
+        if self._vote_scope == "run":
+            ok = self._timed(lambda: self._vote(local_ok, reason)) and local_ok
+        else:
+            ok = local_ok
         info = self._allreduce.last_round
         self._rounds_ok = []
         self._syncs.append(

@@ -33,9 +33,10 @@ def await_quorum(
     peer: Peer, keys: RoundKeys, settings: RoundSettings, expected: set[int] | None, mine: MemberRecord | None
 ) -> QuorumRecord:
     """The round's quorum: read it once it exists; propose it (first writer wins) once every ``expected`` replica
-    (default: all ranks) announced, or ``quorum_timeout`` passed. ``mine``: this replica's record in the round
-    (`announce`; never read back), ``None`` when it found another incarnation's there. Raises when the round was
-    decided meanwhile, or `RoundFailure` when a record of another incarnation of this rank is in the round."""
+    (default: all ranks) announced, as a participant or as an observer (a healing replica), or ``quorum_timeout``
+    passed. ``mine``: this replica's record in the round (`announce`; never read back), ``None`` when it found
+    another incarnation's there. Raises when the round was decided meanwhile, or `RoundFailure` when a record of
+    another incarnation of this rank is in the round."""
     members: dict[int, MemberRecord] = {} if mine is None else {peer.rank: mine}
     want = expected if expected is not None else set(range(peer.world_size))
 
@@ -73,7 +74,8 @@ def await_quorum(
             if record is not None:
                 members[rank] = record
         announced = {r for r, m in members.items() if not m.observer}
-        if want <= announced or late:
+        # an observer's record settles its rank too: it never contributes to this round, so nobody waits for it
+        if want <= set(members) or late:
             return propose(peer, keys, settings, members, announced) or peer.read_quorum(keys.round_id)
         return None
 
