@@ -150,15 +150,13 @@ def plan_heal(
     others write it at their ``start_quorum``), the newest authentic earlier state newer than ``last_committed`` is
     loaded and the replica stays ``stale``; with none, it keeps its own state (or `HealError` if it never had one).
 
-    In step, one read settles it: a replica whose last round (``allreduce.round_id - 1``) is ``last_committed`` is
-    behind only if the next round was decided without it (rounds are decided in order, so none after it either).
+    In step, no request: a replica whose last round (``allreduce.round_id - 1``) is ``last_committed`` is behind
+    only if the next round was decided without it, and that round tells it so (`RoundDesyncError` before it writes
+    anything, or it observes a quorum formed without it and reads the committed result): its sync does not commit
+    and the next call plans the heal. That costs a replica left behind one sync instead of costing every sync of
+    every replica a round trip on the training thread.
     """
-    if (
-        last_committed is not None
-        and not stale
-        and last_committed == allreduce.round_id - 1
-        and allreduce.read_decision(allreduce.round_id) is None
-    ):
+    if last_committed is not None and not stale and last_committed == allreduce.round_id - 1:
         return None
     snapshots = allreduce.snapshots()
     rank = allreduce.rank

@@ -183,7 +183,8 @@ class MockManager:
       ahead of them); the others check during their next sync (after its rounds) that it exists, and write it
       if it is missing. At ``start_quorum()`` a replica that is behind the store's last committed round
       (restarted, late, or one that could not read a committed result) loads that state and observes (does not
-      contribute to) its next round.
+      contribute to) its next round. A replica in step asks the store nothing there: one left behind between
+      syncs learns it from its next round (`crf_diloco.healing.plan_heal`).
 
     Args:
         allreduce: the replica's :class:`ObjectStoreAllReduce`.
@@ -595,9 +596,9 @@ class MockManager:
         self._sealed = (round_id, sealed)
 
     def _start_upload(self) -> None:
-        """Hand the sealed checkpoint to the upload thread: at the end of ``start_quorum`` (after its check against
-        the store, a read that would queue behind the upload's bytes on the replica's link while the training
-        thread waits) or at ``shutdown``."""
+        """Hand the sealed checkpoint to the upload thread: at the end of ``start_quorum`` (after its heal check,
+        whose reads, when it makes any, would queue behind the upload's bytes on the replica's link while the
+        training thread waits) or at ``shutdown``."""
         if self._sealed is not None:
             (round_id, sealed), self._sealed = self._sealed, None
             self._upload = self._background("upload").submit(self._put_checkpoint, round_id, sealed)
