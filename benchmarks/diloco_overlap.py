@@ -16,7 +16,8 @@ What is measured
       mean of the two), and, for reference, over the DiLoCo run's steps with no sync in flight.
 
     ``ratio = during sync / no sync``; the target (issue 24) is >= 0.9. ``--no-overlap`` runs the rounds inside
-    ``wait()`` instead (``MockManager(overlap=False)``), the comparison point. Beside it, ``waited s/sync``: the
+    ``wait()`` instead (``MockManager(overlap=False)``), the comparison point. ``--vote-scope replica`` gives
+    ``should_commit`` torchft's own scope (``MockManager(vote_scope="replica")``: no store-wide vote, no barrier). Beside it, ``waited s/sync``: the
     seconds per sync the training thread spent blocked in the manager (``start_quorum``, a work's ``wait``,
     ``should_commit``), a figure that does not depend on how the replicas share the CPUs. With ``--pin`` (the
     default) every replica shares one CPU, so a sync's client CPU (s3fs, the MAC, the codec) is taken from the
