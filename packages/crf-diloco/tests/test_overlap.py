@@ -205,6 +205,30 @@ def test_a_round_never_waits_behind_a_checkpoint_upload(
         assert all(torch.equal(a, b) for a, b in zip(shared, other_shared, strict=True)), "bit-identical"
 
 
+def test_a_checkpoint_uploads_from_the_call_after_the_outer_step_not_the_next_sync(
+    faulty_store: Any, fault_rule: Callable[..., dict[str, Any]], run_replicas: RunReplicas
+) -> None:
+    """The writer of a committed round's state starts uploading it at its first call after the outer step (DiLoCo's
+    next inner step), so the upload has the replica's link in the gap before the next sync's round instead of
+    sharing it with that round from ``start_quorum`` on."""
+    uploading = threading.Event()
+    rule = fault_rule("write", lambda p: "/state/" in p, lambda p: uploading.set(), count=10_000)
+
+    def replica(rank: int) -> bool:
+        manager = MockManager(ObjectStoreAllReduce("crffaulty://early", rank, 2, timeout=30))
+        manager.register_state_dict_fn("w", lambda s: None, lambda: {"w": torch.full((3,), float(rank))})
+        manager.start_quorum()
+        assert manager.allreduce(torch.ones(3)).wait()
+        assert manager.should_commit()
+        manager.disallow_state_dict_read()  # the next inner step: round 0's writer (rank 0) copies its state
+        started = uploading.wait(30) if rank == 0 else True  # before any start_quorum of the next sync
+        manager.shutdown()
+        return started
+
+    assert run_replicas(replica, 2) == [True, True]
+    assert rule["fired"] >= 1
+
+
 def test_work_of_a_failed_background_round_returns_false_and_the_sync_aborts_everywhere(
     faulty_store: Any, fault_rule: Callable[..., dict[str, Any]], run_replicas: RunReplicas
 ) -> None:

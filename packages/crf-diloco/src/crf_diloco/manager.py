@@ -179,8 +179,8 @@ class MockManager:
     * Healing: one participant of a committed round (``participants[round % len(participants)]``, so the
       uploads rotate) writes the global state (every ``register_state_dict_fn`` state plus
       ``{"step", "batches_committed"}``) to ``state/r{round}.safetensors``: copied at its next call after the
-      outer step, uploaded from its next ``start_quorum()`` on a thread of its own (beside the rounds, never
-      ahead of them); the others check during their next sync (after its rounds) that it exists, and write it
+      outer step and uploaded from then on, on a thread of its own (beside the rounds, never ahead of them: in
+      the gap before the next sync's round); the others check during their next sync (after its rounds) that it exists, and write it
       if it is missing. At ``start_quorum()`` a replica that is behind the store's last committed round
       (restarted, late, or one that could not read a committed result) loads that state and observes (does not
       contribute to) its next round. A replica in step asks the store nothing there: one left behind between
@@ -256,7 +256,6 @@ class MockManager:
         self._state_dict_read_allowed = True
         self._last_committed_round: int | None = None
         self._checkpoint_due: int | None = None
-        self._sealed: tuple[int, Blob] | None = None  # a sealed checkpoint waiting for its upload (`_start_upload`)
         self._observe_next = False
         self._stale = False
         self._participants: list[int] = []
@@ -303,7 +302,6 @@ class MockManager:
         self._rounds_ok = []
         if allow_heal:
             self._maybe_heal()
-        self._start_upload()
 
     def wait_quorum(self) -> None:
         """No-op: the quorum is formed inside each object-store round."""
@@ -558,7 +556,6 @@ class MockManager:
         left to its owner."""
         self._flush_safely()
         self._write_checkpoint_if_due()
-        self._start_upload()
         self._wait_background()
         threads, self._threads = self._threads, {}
         for thread in threads.values():
@@ -576,8 +573,8 @@ class MockManager:
 
     def _write_checkpoint_if_due(self) -> None:
         """Write the state of the round this replica committed last and must checkpoint: copied now (it is the state
-        right after the outer step), uploaded on the upload thread from the next ``start_quorum`` (``overlap``) or
-        now."""
+        right after the outer step) and uploaded from now on, on the upload thread (``overlap``: in the gap before
+        the next sync's round rather than beside it on the replica's link) or on this one."""
         self._check_presence()
         if self._checkpoint_due is None or not self._save_fns:
             self._checkpoint_due = None
@@ -592,16 +589,7 @@ class MockManager:
         if not self._overlap:
             self._put_checkpoint(round_id, sealed)
             return
-        self._start_upload()  # one that still waits goes first (in round order)
-        self._sealed = (round_id, sealed)
-
-    def _start_upload(self) -> None:
-        """Hand the sealed checkpoint to the upload thread: at the end of ``start_quorum`` (after its heal check,
-        whose reads, when it makes any, would queue behind the upload's bytes on the replica's link while the
-        training thread waits) or at ``shutdown``."""
-        if self._sealed is not None:
-            (round_id, sealed), self._sealed = self._sealed, None
-            self._upload = self._background("upload").submit(self._put_checkpoint, round_id, sealed)
+        self._upload = self._background("upload").submit(self._put_checkpoint, round_id, sealed)  # in round order
 
     def _put_checkpoint(self, round_id: int, sealed: Blob) -> None:
         try:
