@@ -5,10 +5,11 @@ What is measured
     one fragment each) with real ``torchft.local_sgd.DiLoCo`` (``sync_every = fragments x --period``,
     ``fragment_sync_delay = --delay``) through `MockManager` (``overlap=True``: a fragment's rounds run on a
     background thread) on ``s3://`` against moto's S3 server behind the WAN proxy of ``benchmarks/allreduce_wan.py``
-    (``--rtt``, ``--link``). Every inner step is timed and classed by whether a sync was in flight when it started
-    or ended (`MockManager.syncing`); a step that waits for its fragment's round at ``perform_sync`` (and for the
-    store-wide vote of ``should_commit``, a barrier as in torchft) counts as during a sync, so a round that outlasts
-    its window shows up as a slower rate. The first ``--period`` steps are left out: the first sync also joins the
+    (``--rtt``, ``--link``). Every inner step is timed and classed by whether a sync was open when it started or
+    ended (from the sync's ``start_quorum`` at ``prepare_sync`` until its ``should_commit`` returned at
+    ``perform_sync``); the step that waits for its fragment's round and for ``should_commit`` (with
+    ``--vote-scope run``, a store-wide vote: a barrier) counts as during a sync, so a round that outlasts its window
+    or a vote shows up as a slower rate. The first ``--period`` steps are left out: the first sync also joins the
     run (layout check, frontier).
 
     * ``during sync``: inner steps/s over the steps during which a sync was in flight;
@@ -17,9 +18,10 @@ What is measured
 
     ``ratio = during sync / no sync``; the target (issue 24) is >= 0.9. ``--no-overlap`` runs the rounds inside
     ``wait()`` instead (``MockManager(overlap=False)``), the comparison point. ``--vote-scope replica`` gives
-    ``should_commit`` torchft's own scope (``MockManager(vote_scope="replica")``: no store-wide vote, no barrier). Beside it, ``waited s/sync``: the
-    seconds per sync the training thread spent blocked in the manager (``start_quorum``, a work's ``wait``,
-    ``should_commit``), a figure that does not depend on how the replicas share the CPUs. With ``--pin`` (the
+    ``should_commit`` torchft's own scope (``MockManager(vote_scope="replica")``: no store-wide vote, no barrier).
+    Beside it, ``waited s/sync``: the seconds per sync the training thread spent blocked in the manager
+    (``start_quorum``, a work's ``wait``, ``should_commit``), a figure that does not depend on how the replicas share
+    the CPUs. With ``--pin`` (the
     default) every replica shares one CPU, so a sync's client CPU (s3fs, the MAC, the codec) is taken from the
     inner steps of both: the ratio is then bounded by that CPU, not by waiting.
 
@@ -51,32 +53,39 @@ from allreduce_wan import (
 from crf_diloco.link import parse_rate, parse_seconds
 
 
-def _time_waits(manager: Any) -> dict[str, list[float]]:
-    """Seconds the training thread spends inside each manager call of a sync that may block it (``start_quorum``,
-    a work's ``wait``, ``should_commit``), listed per kind of call as DiLoCo makes them."""
-    waited: dict[str, list[float]] = {"start_quorum": [], "wait": [], "should_commit": []}
+class _SyncClock:
+    """Wraps a manager's sync calls: the seconds the training thread spends inside each one that may block it
+    (``start_quorum``, a work's ``wait``, ``should_commit``; ``waited``, per kind of call as DiLoCo makes them), and
+    whether a sync is open (from its ``start_quorum`` until its ``should_commit`` returned: ``open``; ``ended``: a
+    ``should_commit`` ran since the flag was last cleared), so that the step which waits for the vote counts as a
+    step during a sync even when the rounds were done before it started."""
 
-    def timed(name: str, call: Any) -> Any:
+    def __init__(self, manager: Any) -> None:
+        self.waited: dict[str, list[float]] = {"start_quorum": [], "wait": [], "should_commit": []}
+        self.open = self.ended = False
+        allreduce = manager.allreduce
+
+        def allreduce_timed(*args: Any, **kwargs: Any) -> Any:
+            work = allreduce(*args, **kwargs)
+            work.wait = self._timed("wait", work.wait)
+            return work
+
+        manager.start_quorum = self._timed("start_quorum", manager.start_quorum)
+        manager.should_commit = self._timed("should_commit", manager.should_commit)
+        manager.allreduce = allreduce_timed
+
+    def _timed(self, name: str, call: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
+            self.open = self.open or name == "start_quorum"
             start = time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
-                waited[name].append(time.perf_counter() - start)
+                self.waited[name].append(time.perf_counter() - start)
+                if name == "should_commit":
+                    self.open, self.ended = False, True
 
         return run
-
-    allreduce = manager.allreduce
-
-    def allreduce_timed(*args: Any, **kwargs: Any) -> Any:
-        work = allreduce(*args, **kwargs)
-        work.wait = timed("wait", work.wait)
-        return work
-
-    manager.start_quorum = timed("start_quorum", manager.start_quorum)
-    manager.should_commit = timed("should_commit", manager.should_commit)
-    manager.allreduce = allreduce_timed
-    return waited
 
 
 def _replica(
@@ -119,23 +128,23 @@ def _replica(
     ar = ObjectStoreAllReduce(uri, rank, world, run_id=args["run_id"], secret=SECRET, timeout=300,
                               compression=args["codec"], storage_options=options)  # fmt: skip
     manager = MockManager(ar, overlap=args["overlap"], vote_scope=args["vote_scope"])
-    waited = _time_waits(manager)
+    clock = _SyncClock(manager)
     outer = [torch.optim.SGD(layer.parameters(), lr=0.7, momentum=0.9, nesterov=True) for layer in layers]
     steps: list[tuple[float, bool]] = []
     dist.barrier()
     with DiLoCo(manager, layers, inner, outer, sync_every=args["period"] * len(layers),
                 fragment_sync_delay=args["delay"]):  # fmt: skip
         for _ in range(args["steps"]):
-            busy = manager.syncing
+            busy, clock.ended = clock.open, False
             start = time.perf_counter()
             step()
-            steps.append((time.perf_counter() - start, busy or manager.syncing))
+            steps.append((time.perf_counter() - start, busy or clock.open or clock.ended))
         manager.shutdown()
     committed = manager.current_step()
     after = plain(args["plain_steps"])
     traffic = ar.store.traffic()
     ar.close()
-    out.put((rank, before, after, steps, committed, traffic.bytes_read + traffic.bytes_written, waited))
+    out.put((rank, before, after, steps, committed, traffic.bytes_read + traffic.bytes_written, clock.waited))
     dist.barrier()
     dist.destroy_process_group()
 
