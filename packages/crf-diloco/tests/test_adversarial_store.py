@@ -959,66 +959,84 @@ def test_a_replica_that_stalls_mid_round_past_keep_rounds_never_writes_into_it(
     _only_tombstones(_attacker(memory_uri), range(3))
 
 
-def test_a_replica_left_behind_between_syncs_learns_it_from_its_next_round_and_heals(memory_uri: str) -> None:
-    """``start_quorum`` of a replica in step asks the store nothing, so one that stalled *between* syncs while rank 0
-    committed rounds 1..5 alone (1..3 collected) learns it from its next round: that round fails loudly without
-    writing (``should_commit`` False, weights untouched), the next ``start_quorum`` heals from round 5's state, and
-    from then on both replicas hold bit-identical weights."""
+def _healing_manager(uri: str, rank: int, w: dict[str, torch.Tensor], keep_rounds: int, scope: str) -> MockManager:
+    """A 2-replica MockManager whose registered state is ``w["w"]`` (short quorum deadline, fast polls)."""
+    ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5, poll_interval=0.01,
+                              keep_rounds=keep_rounds)  # fmt: skip
+    manager = MockManager(ar, heal_timeout=20, vote_scope=scope)  # type: ignore[arg-type]
+    manager.register_state_dict_fn("w", lambda s: w.update(w=s["w"].clone()), lambda: {"w": w["w"].clone()})
+    return manager
+
+
+def _sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int, stall: threading.Event | None = None) -> bool:
+    """One torchft-style sync of ``w``; with ``stall``, waits for it between ``allreduce`` and the round."""
+    manager.start_quorum()
+    delta = torch.full((4,), float(rank + 1 + manager.current_step()))
+    work = manager.allreduce(delta)
+    if stall is not None:
+        assert stall.wait(60)
+    work.wait()
+    ok = manager.should_commit()
+    if ok:
+        w["w"] = w["w"] + delta
+    return ok
+
+
+def _run_threads(*targets: Callable[[], None]) -> None:
+    threads = [threading.Thread(target=t) for t in targets]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads)
+
+
+@pytest.mark.parametrize(
+    ("stall", "scope"), [("mid_sync", "run"), ("between_syncs", "run"), ("between_syncs", "replica")]
+)
+def test_a_mockmanager_replica_stalled_past_keep_rounds_heals_and_ends_bit_identical(
+    memory_uri: str, stall: str, scope: str
+) -> None:
+    """Rank 1 stalls while rank 0 commits rounds 1..5 alone (1..3 collected): inside a sync, between ``allreduce``
+    and its round, or between two syncs (``start_quorum`` of a replica in step asks the store nothing, so it learns
+    it from its next round). Resumed, rank 1's round fails loudly without writing (``should_commit`` False, the
+    weights untouched), its next ``start_quorum`` heals from round 5's state, and from then on both replicas hold
+    bit-identical weights."""
     resumed, healed = threading.Event(), threading.Event()
     finals: dict[int, torch.Tensor] = {}
     errors: list[str] = []
 
-    def manager_for(rank: int, w: dict[str, torch.Tensor]) -> MockManager:
-        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5,
-                                  poll_interval=0.01, keep_rounds=2)  # fmt: skip
-        manager = MockManager(ar, heal_timeout=20, vote_scope="replica")
-        manager.register_state_dict_fn("w", lambda s: w.update(w=s["w"].clone()), lambda: {"w": w["w"].clone()})
-        return manager
-
-    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int) -> bool:
-        manager.start_quorum()
-        delta = torch.full((4,), float(rank + 1 + manager.current_step()))
-        manager.allreduce(delta).wait()
-        ok = manager.should_commit()
-        if ok:
-            w["w"] = w["w"] + delta
-        return ok
-
     def rank0() -> None:
         w = {"w": torch.zeros(4)}
-        manager = manager_for(0, w)
+        manager = _healing_manager(memory_uri, 0, w, 2, scope)
         for _ in range(6):  # round 0 with rank 1, rounds 1..5 alone
-            assert sync(manager, w, 0)
+            assert _sync(manager, w, 0)
         manager.shutdown()  # round 5's state
         time.sleep(0.5)  # the background collection of round 3
         resumed.set()
         assert healed.wait(60)
         for _ in range(2):
-            assert sync(manager, w, 0)
+            assert _sync(manager, w, 0)
         finals[0] = w["w"]
 
     def rank1() -> None:
         w = {"w": torch.zeros(4)}
-        manager = manager_for(1, w)
-        assert sync(manager, w, 1)
-        assert resumed.wait(60)  # stalled between two syncs (e.g. a long evaluation)
+        manager = _healing_manager(memory_uri, 1, w, 2, scope)
+        assert _sync(manager, w, 1)
+        if stall == "between_syncs":
+            assert resumed.wait(60)  # e.g. a long evaluation
         before = w["w"].clone()
-        assert not sync(manager, w, 1), "the round it reaches was decided without it"
+        assert not _sync(manager, w, 1, resumed if stall == "mid_sync" else None), "its round does not commit here"
         assert torch.equal(w["w"], before)
         errors.append(repr(manager.errored()))
         manager.start_quorum()  # heals from round 5
         healed.set()
         assert manager.current_step() == 6
         for _ in range(2):  # observes round 6, takes part in round 7
-            assert sync(manager, w, 1)
+            assert _sync(manager, w, 1)
         finals[1] = w["w"]
 
-    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads)
+    _run_threads(rank0, rank1)
     assert "fell more than keep_rounds=2 rounds behind" in errors[0]
     assert torch.equal(finals[0], finals[1])
     _only_tombstones(_attacker(memory_uri), range(1, 4))
@@ -1033,118 +1051,29 @@ def test_a_replica_left_behind_by_rounds_still_kept_replays_them_as_an_observer(
     finals: dict[int, torch.Tensor] = {}
     replayed: list[tuple[bool, int]] = []
 
-    def manager_for(rank: int, w: dict[str, torch.Tensor]) -> MockManager:
-        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5,
-                                  poll_interval=0.01, keep_rounds=10)  # fmt: skip
-        manager = MockManager(ar, heal_timeout=20, vote_scope=scope)  # type: ignore[arg-type]
-        manager.register_state_dict_fn("w", lambda s: w.update(w=s["w"].clone()), lambda: {"w": w["w"].clone()})
-        return manager
-
-    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int) -> bool:
-        manager.start_quorum()
-        delta = torch.full((4,), float(rank + 1 + manager.current_step()))
-        manager.allreduce(delta).wait()
-        ok = manager.should_commit()
-        if ok:
-            w["w"] = w["w"] + delta
-        return ok
-
     def rank0() -> None:
         w = {"w": torch.zeros(4)}
-        manager = manager_for(0, w)
+        manager = _healing_manager(memory_uri, 0, w, 10, scope)
         for _ in range(3):  # round 0 with rank 1, rounds 1 and 2 alone
-            assert sync(manager, w, 0)
+            assert _sync(manager, w, 0)
         resumed.set()
         assert caught_up.wait(60)
         for _ in range(2):
-            assert sync(manager, w, 0)
+            assert _sync(manager, w, 0)
         finals[0] = w["w"]
 
     def rank1() -> None:
         w = {"w": torch.zeros(4)}
-        manager = manager_for(1, w)
-        assert sync(manager, w, 1)
+        manager = _healing_manager(memory_uri, 1, w, 10, scope)
+        assert _sync(manager, w, 1)
         assert resumed.wait(60)
         for _ in range(2):
-            ok = sync(manager, w, 1)
-            replayed.append((ok, manager.current_step()))
+            replayed.append((_sync(manager, w, 1), manager.current_step()))
         caught_up.set()
         for _ in range(2):
-            assert sync(manager, w, 1)
+            assert _sync(manager, w, 1)
         finals[1] = w["w"]
 
-    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads)
+    _run_threads(rank0, rank1)
     assert replayed == [(True, 2), (True, 3)]
     assert torch.equal(finals[0], finals[1])
-
-
-def test_a_mockmanager_replica_stalled_mid_sync_past_keep_rounds_heals_and_ends_bit_identical(memory_uri: str) -> None:
-    """Inside a DiLoCo-style sync, rank 1 stalls between ``allreduce`` and its round while rank 0 commits rounds 1..5
-    alone (round 1..3 collected). Resumed, rank 1's stale round fails loudly without writing (``should_commit`` is
-    False, the weights are untouched), its next ``start_quorum`` heals from round 5's state, and from then on both
-    replicas hold bit-identical weights."""
-    resumed, healed = threading.Event(), threading.Event()
-    finals: dict[int, torch.Tensor] = {}
-    errors: list[str] = []
-
-    def manager_for(rank: int, w: dict[str, torch.Tensor]) -> MockManager:
-        ar = ObjectStoreAllReduce(memory_uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5,
-                                  poll_interval=0.01, keep_rounds=2)  # fmt: skip
-        manager = MockManager(ar, heal_timeout=20)
-        manager.register_state_dict_fn("w", lambda s: w.update(w=s["w"].clone()), lambda: {"w": w["w"].clone()})
-        return manager
-
-    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int, stall: bool = False) -> bool:
-        manager.start_quorum()
-        delta = torch.full((4,), float(rank + 1 + manager.current_step()))
-        work = manager.allreduce(delta)
-        if stall:
-            assert resumed.wait(60)
-        work.wait()
-        ok = manager.should_commit()
-        if ok:
-            w["w"] = w["w"] + delta
-        return ok
-
-    def rank0() -> None:
-        w = {"w": torch.zeros(4)}
-        manager = manager_for(0, w)
-        for _ in range(6):  # round 0 with rank 1, rounds 1..5 alone
-            assert sync(manager, w, 0)
-        manager.shutdown()  # round 5's state
-        time.sleep(0.5)  # the background collection of round 3
-        resumed.set()
-        assert healed.wait(60)
-        for _ in range(2):
-            assert sync(manager, w, 0)
-        finals[0] = w["w"]
-
-    def rank1() -> None:
-        w = {"w": torch.zeros(4)}
-        manager = manager_for(1, w)
-        assert sync(manager, w, 1)
-        before = w["w"].clone()
-        assert not sync(manager, w, 1, stall=True), "the stale round does not commit here"
-        assert torch.equal(w["w"], before)
-        errors.append(repr(manager.errored()))
-        manager.start_quorum()  # heals from round 5
-        healed.set()
-        assert manager.current_step() == 6
-        for _ in range(2):  # observes round 6, takes part in round 7
-            assert sync(manager, w, 1)
-        finals[1] = w["w"]
-
-    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads)
-    assert "fell more than keep_rounds=2 rounds behind" in errors[0]
-    assert torch.equal(finals[0], finals[1])
-    _only_tombstones(_attacker(memory_uri), range(1, 4))

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from state_tensors import nested_tensors
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
@@ -53,17 +54,6 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor of a nested state, in a fixed order."""
-    if isinstance(value, torch.Tensor):
-        return [value.detach().clone()]
-    if isinstance(value, dict):
-        return [t for k in sorted(value, key=str) for t in _tensors(value[k])]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 Run = tuple[int, list[torch.Tensor], list[torch.Tensor]]  # committed syncs, model parameters, global state
 
 
@@ -89,7 +79,7 @@ def _train(
             inner.step()
             after_step(manager)
         manager.shutdown()
-        shared = _tensors({key: save() for key, save in manager._save_fns.items()})
+        shared = nested_tensors({key: save() for key, save in manager._save_fns.items()})
     return manager.current_step(), [p.detach().clone() for p in model.parameters()], shared
 
 

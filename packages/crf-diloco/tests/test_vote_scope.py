@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from state_tensors import nested_tensors
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
@@ -64,7 +65,7 @@ def test_streaming_diloco_with_replica_scope_never_votes_through_the_store_and_e
                 inner.step()
             manager.shutdown()
             # what replicas share under Streaming DiLoCo: each fragment's global weights and outer-optimizer state
-            shared = _tensors({key: save() for key, save in manager._save_fns.items()})
+            shared = nested_tensors({key: save() for key, save in manager._save_fns.items()})
         return manager.current_step(), shared, answers
 
     (step0, shared0, answers0), (step1, shared1, answers1) = run_replicas(replica, 2)
@@ -75,17 +76,6 @@ def test_streaming_diloco_with_replica_scope_never_votes_through_the_store_and_e
     assert not all(torch.equal(a, b) for a, b in zip(shared0, init.values(), strict=False)), "training moved them"
     voted = run_replicas(lambda rank: replica(rank, "run", f"{memory_uri}/voted"), 2)
     assert all(torch.equal(a, b) for a, b in zip(shared0, voted[0][1], strict=True)), "the same bits as the vote's"
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor of a nested state, in a fixed order."""
-    if isinstance(value, torch.Tensor):
-        return [value.detach().clone()]
-    if isinstance(value, dict):
-        return [t for k in sorted(value, key=str) for t in _tensors(value[k])]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def test_an_error_after_the_allreduce_aborts_only_its_replica_which_heals_at_its_next_quorum(
