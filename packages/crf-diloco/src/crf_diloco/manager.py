@@ -91,8 +91,9 @@ class ObjectStoreWork(dist._Work):
     (``MockManager(overlap=True)``, the default: training goes on while it syncs) or inside the first ``wait()``
     (``overlap=False``). ``wait()`` blocks until the round ran and returns True once its data phase succeeded (the
     tensor then holds the reduced values; whether the sync commits is decided at ``should_commit()``, as in
-    torchft), and False instead of raising: the error goes to the manager, so ``should_commit()`` votes False. ``get_future()`` completes with the tensor (unchanged on failure) when the
-    round ends and supports ``.then`` (callbacks run on the thread that ran the round).
+    torchft), and False instead of raising: the error goes to the manager, so ``should_commit()`` votes False.
+    ``get_future()`` completes with the tensor (unchanged on failure) when the round ends and supports ``.then``
+    (callbacks run on the thread that ran the round).
     """
 
     def __init__(self, manager: MockManager, tensor: torch.Tensor) -> None:
@@ -180,11 +181,11 @@ class MockManager:
       uploads rotate) writes the global state (every ``register_state_dict_fn`` state plus
       ``{"step", "batches_committed"}``) to ``state/r{round}.safetensors``: copied at its next call after the
       outer step and uploaded from then on, on a thread of its own (beside the rounds, never ahead of them: in
-      the gap before the next sync's round); the others check during their next sync (after its rounds) that it exists, and write it
-      if it is missing. At ``start_quorum()`` a replica that is behind the store's last committed round
-      (restarted, late, or one that could not read a committed result) loads that state and observes (does not
-      contribute to) its next round. A replica in step asks the store nothing there: one left behind between
-      syncs learns it from its next round (`crf_diloco.healing.plan_heal`).
+      the gap before the next sync's round); the others check during their next sync (after its rounds) that it
+      exists, and write it if it is missing. At ``start_quorum()`` a replica that is behind the store's last
+      committed round (restarted, late, or one that could not read a committed result) loads that state and
+      observes (does not contribute to) its next round. A replica in step asks the store nothing there: one left
+      behind between syncs learns it from its next round (`crf_diloco.healing.plan_heal`).
 
     Args:
         allreduce: the replica's :class:`ObjectStoreAllReduce`.
