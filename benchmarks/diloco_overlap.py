@@ -21,9 +21,8 @@ What is measured
     ``should_commit`` torchft's own scope (``MockManager(vote_scope="replica")``: no store-wide vote, no barrier).
     Beside it, ``waited s/sync``: the seconds per sync the training thread spent blocked in the manager
     (``start_quorum``, a work's ``wait``, ``should_commit``), a figure that does not depend on how the replicas share
-    the CPUs. With ``--pin`` (the
-    default) every replica shares one CPU, so a sync's client CPU (s3fs, the MAC, the codec) is taken from the
-    inner steps of both: the ratio is then bounded by that CPU, not by waiting.
+    the CPUs. With ``--pin`` (the default) every replica shares one CPU, so a sync's client CPU (s3fs, the MAC, the
+    codec) is taken from the inner steps of both: the ratio is then bounded by that CPU, not by waiting.
 
 Run: ``python benchmarks/diloco_overlap.py`` (``--codec int8`` for smaller rounds). The load average is printed at the
 start and the end; the machine's other work moves every figure, so compare ratios of one run.
@@ -51,6 +50,7 @@ from allreduce_wan import (
 )
 
 from crf_diloco.link import parse_rate, parse_seconds
+from crf_diloco.manager import VOTE_SCOPES
 
 
 class _SyncClock:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-overlap", action="store_true", help="run rounds inside wait() (MockManager(overlap=False))"
     )
-    parser.add_argument("--vote-scope", choices=("run", "replica"), default="run",
+    parser.add_argument("--vote-scope", choices=VOTE_SCOPES, default="run",
                         help="MockManager(vote_scope=...): run, a store-wide vote at should_commit (a barrier); "
                              "replica, torchft's scope (no request at should_commit)")  # fmt: skip
     parser.add_argument("--slowest", type=int, default=0, help="print the N slowest inner steps of each replica")

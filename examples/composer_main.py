@@ -51,6 +51,7 @@ from main_job.records import (
     CHANNELS,
     STORAGE_OPTIONS_ENV,
     TRAINERS,
+    VOTE_SCOPES,
     ReplicaReport,
     check_schedule,
     compression,
@@ -235,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
              "DiLoCo fragment_sync_delay, crf-diloco's MockManager(overlap=True)); the inner steps taken meanwhile are "
              "replaced by the round's result (fragment_update_alpha 0), so the replicas still end bit-identical; 0: "
              "the round runs at its step, as plain DiLoCo")  # fmt: skip
-    add("--vote-scope", choices=("run", "replica"), default="run",
+    add("--vote-scope", choices=VOTE_SCOPES, default="run",
         help="DiLoCo's should_commit (crf-diloco's MockManager(vote_scope=...)): run, a vote of every replica through "
              "the store, the same answer everywhere (a barrier of two round trips per round); replica, torchft's scope: "
              "each replica decides for itself without a request, one that disagrees heals from the store")  # fmt: skip

@@ -36,6 +36,10 @@ CHANNELS = ("grpo", "sdpo_jsd", "trace_replay_dpo")
 TRAINERS = ("crf", "trl-grpo", "trl-sdpo")
 """Who trains the replicas: crf's trainer, or TRL's GRPOTrainer / SDPOTrainer as peers (`replica.build_trainer`)."""
 
+VOTE_SCOPES = ("run", "replica")
+"""DiLoCo's ``should_commit`` scopes (``crf_diloco.manager.VOTE_SCOPES``, named here so that a job's records load
+without crf-diloco installed): "run", a store-wide vote; "replica", torchft's scope, no request."""
+
 STORAGE_OPTIONS_ENV = "CRF_MAIN_JOB_STORAGE_OPTIONS"
 """Environment variable holding the store's fsspec options as JSON (``--storage-option``), for the replicas."""
 
@@ -114,7 +118,7 @@ class JobSpec:
     device: str
     agent: bool = False  # --agent: multi-turn episodes in a CodingEnvironment (main_job.agent)
     sync_delay: int = 0  # torchft's fragment_sync_delay: a round starts this many inner steps early, in the background
-    vote_scope: str = "run"  # MockManager(vote_scope=...): "run", a store-wide vote at should_commit; "replica", none
+    vote_scope: str = "run"  # MockManager(vote_scope=...), one of VOTE_SCOPES
 
     @classmethod
     def from_options(cls, opts: Any, *, output: Path, pairs: Path, isolation: str, agent: bool = False) -> JobSpec:
@@ -158,8 +162,8 @@ class JobSpec:
         if sorted(self.weights) != sorted(CHANNELS):
             raise ValueError(f"weights must name exactly the channels {CHANNELS}, got {sorted(self.weights)}")
         compression(self.codec)
-        if self.vote_scope not in ("run", "replica"):
-            raise ValueError(f"vote_scope must be 'run' or 'replica', got {self.vote_scope!r}")
+        if self.vote_scope not in VOTE_SCOPES:
+            raise ValueError(f"vote_scope must be {' or '.join(map(repr, VOTE_SCOPES))}, got {self.vote_scope!r}")
         check_schedule(self.steps, self.sync_every, self.sync_delay)
 
 

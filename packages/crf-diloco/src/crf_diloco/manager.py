@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from crf_diloco.healing import MANAGER_KEY, plan_heal
 from crf_diloco.store import Traffic
 from crf_diloco.wire import Blob
 
-__all__ = ["DILOCO_MANAGER_SURFACE", "MockManager", "ObjectStoreWork", "SyncRecord"]
+__all__ = ["DILOCO_MANAGER_SURFACE", "VOTE_SCOPES", "MockManager", "ObjectStoreWork", "SyncRecord", "VoteScope"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +48,10 @@ DILOCO_MANAGER_SURFACE: tuple[str, ...] = (
     "should_commit",
     "start_quorum",
 )
+
+#: ``MockManager(vote_scope=...)``: "run", a store-wide vote at ``should_commit``; "replica", torchft's scope
+VoteScope = Literal["run", "replica"]
+VOTE_SCOPES: tuple[VoteScope, ...] = get_args(VoteScope)
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,7 @@ class MockManager:
         heal_timeout: float | None = None,
         use_async_quorum: bool = False,
         overlap: bool = True,
-        vote_scope: Literal["run", "replica"] = "run",
+        vote_scope: VoteScope = "run",
     ) -> None:
         if not isinstance(allreduce, ObjectStoreAllReduce):
             raise TypeError(f"allreduce must be an ObjectStoreAllReduce, got {type(allreduce).__name__}")
@@ -223,7 +227,7 @@ class MockManager:
             raise ValueError(f"heal_timeout must be > 0 seconds or None, got {heal_timeout!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool (True: sync in the background), got {type(overlap).__name__}")
-        if vote_scope not in ("run", "replica"):
+        if vote_scope not in VOTE_SCOPES:
             raise ValueError(
                 f"vote_scope must be 'run' (a store-wide vote at should_commit) or 'replica' (torchft's scope: each "
                 f"replica decides for itself, one that disagrees heals), got {vote_scope!r}"
@@ -609,7 +613,7 @@ class MockManager:
     def _ensure_checkpoint(self) -> None:
         """Write the last committed state if its writer did not (never from a replica that is behind: its state is
         not the committed one). With ``overlap`` the check runs on the sync thread after this sync's rounds (by
-        then the writer's upload, which started with them, is usually done: a late one costs a second, refused
+        then the writer's upload, which started before them, is usually done: a late one costs a second, refused
         create), and a missing state is copied at the manager's next call, if this replica still holds that
         round's state."""
         r = self._last_committed_round

@@ -21,8 +21,9 @@ def gather(peer: Peer, rnd: Round, done: set[int], cover: Callable[[int], None] 
     """Read every reduced shard not in ``done`` into the result buffer and return it.
 
     Every missing shard is read at once, with the round's decision beside them when due (`Round.decisions`; one
-    round trip per poll over a network). ``cover(shard)`` computes and creates a missing shard; it is called for the lowest missing one once
-    ``straggler_grace`` seconds of the data phase passed (``None``: never cover, e.g. a replica following a commit).
+    round trip per poll over a network). ``cover(shard)`` computes and creates a missing shard; it is called for the
+    lowest missing one once ``straggler_grace`` seconds of the data phase passed (``None``: never cover, e.g. a
+    replica following a commit).
     Raises when the round was decided meanwhile, one of this round's writes failed, a shard is corrupt, or the data
     deadline passed with shards missing (`RoundFailure`)."""
     quorum, keys = rnd.formed, rnd.keys

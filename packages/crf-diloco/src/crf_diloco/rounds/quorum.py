@@ -47,13 +47,14 @@ def await_quorum(
         # one wave: the quorum, the decision when due (a round decided before its quorum is rare), the listing
         # (unless every rank is expected) and the expected announcements not read yet
         unread = sorted(want - set(members))
-        check = decisions.due(late)
-        calls: list[Callable[[], object]] = [partial(peer.read_quorum, keys.round_id)]
-        calls += [partial(peer.check_decided, keys, settings.keep_rounds)] if check else []
-        calls += [] if everyone else [partial(peer.store.list_names, keys.members_dir)]
-        found = peer.outcomes([*calls, *(partial(peer.read_member, keys, r) for r in unread)])
-        quorum, decided = found[0], found[1] if check else None
-        names, records = ([] if everyone else found[len(calls) - 1]), found[len(calls) :]
+        named: dict[str, Callable[[], object]] = {"quorum": partial(peer.read_quorum, keys.round_id)}
+        if decisions.due(late):
+            named["decided"] = partial(peer.check_decided, keys, settings.keep_rounds)
+        if not everyone:
+            named["names"] = partial(peer.store.list_names, keys.members_dir)
+        found = peer.outcomes([*named.values(), *(partial(peer.read_member, keys, r) for r in unread)])
+        got, records = dict(zip(named, found, strict=False)), found[len(named) :]
+        quorum, decided, names = got["quorum"], got.get("decided"), got.get("names", [])
         if isinstance(quorum, BaseException):
             raise quorum
         if quorum is not None:
