@@ -33,6 +33,28 @@ def test_s3_create_only_write_is_enforced(moto_s3: dict[str, Any]) -> None:
     assert store.get_range("k/obj", 1, 3) == b"ir"  # ranged GET
 
 
+def test_the_s3_test_server_computes_an_etag_under_the_objects_lock(moto_s3: dict[str, Any]) -> None:
+    """moto reads a GET's body under ``FakeKey.lock`` but computed the ETag from the same file position without
+    it, so a GET racing the PUT's response read an object over 16 MB from its middle (a payload header of
+    1.35e19 bytes: the round aborted). The test server (`s3_server.lock_moto_etag`) takes the lock for the ETag."""
+    import hashlib
+    import threading
+
+    from moto.s3.models import FakeKey
+
+    body = torch.randn(4096).numpy().tobytes()
+    key = FakeKey("k", body, account_id="123456789012", region_name="us-east-1")
+    got: list[str] = []
+    with key.lock:  # a GET is reading the body
+        reader = threading.Thread(target=lambda: got.append(key.etag))
+        reader.start()
+        reader.join(0.3)
+        assert not got, "the ETag was read from the buffer while a GET held it"
+        assert reader.is_alive()
+    reader.join(10)
+    assert got == [f'"{hashlib.md5(body).hexdigest()}"']
+
+
 @pytest.mark.parametrize("theirs", [None, {"s3": {"payload_signing_enabled": True}}])
 def test_s3_requests_carry_no_sdk_body_checks_unless_asked(moto_s3: dict[str, Any], theirs: Any) -> None:
     """Objects carry the run's MAC over their bytes, so botocore's own body checks (CRC32 per upload, SHA-256 of the
