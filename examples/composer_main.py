@@ -240,6 +240,10 @@ def _parser() -> argparse.ArgumentParser:
         help="DiLoCo's should_commit (crf-diloco's MockManager(vote_scope=...)): run, a vote of every replica through "
              "the store, the same answer everywhere (a barrier of two round trips per round); replica, torchft's scope: "
              "each replica decides for itself without a request, one that disagrees heals from the store")  # fmt: skip
+    add("--checkpoint-every", type=int, default=1,
+        help="write DiLoCo's global state (about twice the model's fp32 bytes) after a committed round only every N "
+             "rounds (crf-diloco's MockManager(checkpoint_every=N)): 1/N of the checkpoint traffic, and a replica "
+             "that heals may observe up to N rounds before it is in step")  # fmt: skip
     add("--sandbox-timeout", type=float, default=3.0, help="seconds per unit-test run")
     add("--replica-timeout", type=float, default=3600.0, help="seconds before the replicas are stopped")
     add("--seed", type=int, default=0)
@@ -299,7 +303,7 @@ def _check(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Each flag's limits, once. The schedule is `JobSpec`'s rule (`check_schedule`), asked here under the flags'
     names so that a bad ``--steps`` / ``--sync-every`` fails at once rather than when ``job.json`` is written;
     ``--codec`` is checked by its type (`_codec`)."""
-    for name in ("replicas", "prompts_per_step", "eval_samples", "max_completion_length"):
+    for name in ("replicas", "prompts_per_step", "eval_samples", "max_completion_length", "checkpoint_every"):
         if getattr(opts, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("lr", "warmup_lr", "temperature", "outer_lr", "sync_timeout", "sandbox_timeout", "replica_timeout"):

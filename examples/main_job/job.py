@@ -207,7 +207,8 @@ def _start(opts: argparse.Namespace, kind: Kind[W, E], pinned: bool, sandbox: st
         f"{opts.steps} steps, DiLoCo round every {opts.sync_every}"
         f"{'' if opts.codec == 'fp32' else f' ({opts.codec} on the wire)'}"
         f"{f', started {opts.sync_delay} steps early in the background' if opts.sync_delay else ''}"
-        f"{'' if opts.vote_scope == 'run' else f', vote scope {opts.vote_scope}'}; "
+        f"{'' if opts.vote_scope == 'run' else f', vote scope {opts.vote_scope}'}"
+        f"{f', state checkpointed every {opts.checkpoint_every} rounds' if opts.checkpoint_every > 1 else ''}; "
         f"model {opts.model} on {opts.device}; "
         f"store {store}; output {output}",
         flush=True,

@@ -119,6 +119,7 @@ class JobSpec:
     agent: bool = False  # --agent: multi-turn episodes in a CodingEnvironment (main_job.agent)
     sync_delay: int = 0  # torchft's fragment_sync_delay: a round starts this many inner steps early, in the background
     vote_scope: str = "run"  # MockManager(vote_scope=...), one of VOTE_SCOPES
+    checkpoint_every: int = 1  # MockManager(checkpoint_every=...): the global state after every Nth committed round
 
     @classmethod
     def from_options(cls, opts: Any, *, output: Path, pairs: Path, isolation: str, agent: bool = False) -> JobSpec:
@@ -156,6 +157,7 @@ class JobSpec:
             agent=agent,
             sync_delay=opts.sync_delay,
             vote_scope=opts.vote_scope,
+            checkpoint_every=opts.checkpoint_every,
         )
 
     def __post_init__(self) -> None:
@@ -164,6 +166,8 @@ class JobSpec:
         compression(self.codec)
         if self.vote_scope not in VOTE_SCOPES:
             raise ValueError(f"vote_scope must be {' or '.join(map(repr, VOTE_SCOPES))}, got {self.vote_scope!r}")
+        if type(self.checkpoint_every) is not int or self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be an int >= 1, got {self.checkpoint_every!r}")
         check_schedule(self.steps, self.sync_every, self.sync_delay)
 
 
@@ -194,8 +198,9 @@ class SyncStat:
 
 @dataclass(frozen=True)
 class ReplicaReport:
-    """How one replica's training went: its steps, DiLoCo rounds committed, bytes through the store,
-    wall time, a SHA-256 of its final weights (equal on every replica after the last round) and its syncs."""
+    """How one replica's training went: its steps, DiLoCo rounds committed, bytes through the store (of which
+    ``checkpoint_bytes`` are the global states it wrote or loaded), wall time, a SHA-256 of its final weights (equal
+    on every replica after the last round) and its syncs."""
 
     rank: int
     history: tuple[StepRecord, ...]
@@ -205,6 +210,7 @@ class ReplicaReport:
     seconds: float
     weights_sha256: str
     syncs: tuple[SyncStat, ...] = ()
+    checkpoint_bytes: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ReplicaReport:

@@ -188,7 +188,7 @@ def run_replica(job: Path) -> ReplicaReport:
     trainer = build_trainer(spec, rank, model, tokenizer, reward, Dataset.from_list(rows * repeats))
     trainer.remove_callback(PrinterCallback)  # the progress callback prints a compact line instead
     # overlap=True: with --sync-delay a round runs on its background thread
-    manager = MockManager(allreduce, vote_scope=spec.vote_scope)  # type: ignore[arg-type]
+    manager = MockManager(allreduce, vote_scope=spec.vote_scope, checkpoint_every=spec.checkpoint_every)  # type: ignore[arg-type]
     history: list[StepRecord] = []
     trainer.add_callback(_progress(spec, rank, history, manager, allreduce, start))
     trainer.create_optimizer()
@@ -224,6 +224,7 @@ def run_replica(job: Path) -> ReplicaReport:
             )
             for s in manager.syncs
         ),
+        checkpoint_bytes=sum(manager.checkpoint_bytes),
     )
     if rank == 0:
         save_policy(policy, tokenizer, output / "final")

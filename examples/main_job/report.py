@@ -126,14 +126,15 @@ def summary_table(outcome: JobOutcome) -> str:
     """One row per replica: reward and each channel's loss over the first → last fifth, rounds, MB, time."""
     n = window(outcome.steps)
     header = ["replica", f"reward (first {n} -> last {n} steps)"]
-    header += [f"{c} loss" for c in outcome.channels] + ["rounds", "MB synced", "time s"]
+    header += [f"{c} loss" for c in outcome.channels] + ["rounds", "MB synced", "checkpoints", "time s"]
     header += ["sync s", "floor s", "sync/floor"]
     rows = []
     for r in outcome.replicas:
         first, last = ends([row.reward for row in r.history])
         cells = [str(r.rank), f"{first:.3f} -> {last:.3f}"]
         cells += [_span(_losses(r, c)) for c in outcome.channels]
-        cells += [str(r.rounds_committed), f"{(r.bytes_written + r.bytes_read) / 1e6:.2f}", f"{r.seconds:.0f}"]
+        cells += [str(r.rounds_committed), f"{(r.bytes_written + r.bytes_read) / 1e6:.2f}"]
+        cells += [f"{r.checkpoint_bytes / 1e6:.2f}", f"{r.seconds:.0f}"]
         summary = SyncSummary.of(r.syncs, outcome.link)
         cells += summary.cells() if summary is not None else ["n/a"] * 3
         rows.append(cells)
@@ -240,14 +241,15 @@ def summary_markdown(outcome: JobOutcome, plot_name: str) -> str:
         "",
         "| replica | "
         + " | ".join(f"{c} loss (first → last fifth)" for c in outcome.channels)
-        + " | rounds | MB synced | MB per round |",
-        "|---" * (len(outcome.channels) + 4) + "|",
+        + " | rounds | MB synced | MB per round | of which checkpoints |",
+        "|---" * (len(outcome.channels) + 5) + "|",
     ]
     for r in outcome.replicas:
         cells = [_span(_losses(r, c)).replace("->", "→") for c in outcome.channels]
         mb = (r.bytes_written + r.bytes_read) / 1e6
-        per_round = mb / max(1, r.rounds_committed)
-        lines.append(f"| {r.rank} | " + " | ".join(cells) + f" | {r.rounds_committed} | {mb:.2f} | {per_round:.3f} |")
+        rounds = max(1, r.rounds_committed)
+        lines.append(f"| {r.rank} | " + " | ".join(cells) + f" | {r.rounds_committed} | {mb:.2f} | {mb / rounds:.3f} | "
+                     f"{r.checkpoint_bytes / 1e6 / rounds:.3f} |")  # fmt: skip
     lines += _syncs_section(outcome)
     same = "bit-identical" if outcome.identical_weights else "**different** (a round did not commit everywhere)"
     phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in outcome.phases.items())

@@ -5,7 +5,6 @@ tasks it never trained on (slow). The data and plumbing tests are in ``test_main
 from __future__ import annotations
 
 import json
-import logging
 import math
 import platform
 import re
@@ -38,6 +37,8 @@ def _check_run(outcome: Any, out: Path, printed: str, steps: int, sync_every: in
         assert [s.committed for s in r.syncs] == [True] * (steps // sync_every)
         assert r.bytes_written > 0
         assert r.bytes_read > 0
+        assert r.checkpoint_bytes < r.bytes_written + r.bytes_read, "the checkpoints are part of the store's traffic"
+    assert sum(r.checkpoint_bytes for r in outcome.replicas) > 0, "committed rounds' states were written"
     assert outcome.identical_weights  # the last DiLoCo round leaves every replica with the same weights
     assert 0.0 <= outcome.before.mean <= 1.0
     assert 0.0 <= outcome.after.mean <= 1.0
@@ -51,7 +52,7 @@ def _check_run(outcome: Any, out: Path, printed: str, steps: int, sync_every: in
     sandbox_line = next(line for line in printed.splitlines() if line.startswith("sandbox: "))
     assert sandbox_line.startswith(("sandbox: bubblewrap", "sandbox: rlimits only"))
     header = next(line for line in printed.splitlines() if line.startswith(" replica |"))
-    for column in ("reward (first", *(f"{c} loss" for c in CHANNELS), "rounds", "MB synced"):
+    for column in ("reward (first", *(f"{c} loss" for c in CHANNELS), "rounds", "MB synced", "checkpoints"):
         assert column in header, column
     assert "[replica 1] step" in printed
     assert re.search(r"change [+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]", printed)
@@ -171,28 +172,21 @@ def test_main_job_full(composer_main: ModuleType, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def moto_s3() -> Iterator[dict[str, Any]]:
-    """A moto S3 server on 127.0.0.1 (free port) with one bucket: ``bucket``, ``endpoint``, ``client``."""
+def moto_s3(repo_root: Path) -> Iterator[dict[str, Any]]:
+    """A moto S3 server on 127.0.0.1 (free port) with one bucket: ``bucket``, ``endpoint``, ``client``; started by
+    crf-diloco's test server (``packages/crf-diloco/tests/s3_server.py``, which also fixes a moto read race)."""
     boto3 = pytest.importorskip("boto3")
     pytest.importorskip("s3fs", reason="the s3:// store needs crf-diloco[s3] (s3fs)")
-    server_mod = pytest.importorskip("moto.server", reason="the S3 test server is moto[server]")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    pytest.importorskip("moto.server", reason="the S3 test server is moto[server]")
+    sys.path.insert(0, str(repo_root / "packages" / "crf-diloco" / "tests"))
     try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-        client.create_bucket(Bucket="crf-main-job")
-        yield {"bucket": "crf-main-job", "endpoint": endpoint, "client": client}
+        from s3_server import moto_s3_server
     finally:
-        server.stop()
+        sys.path.pop(0)
+    with moto_s3_server("crf-main-job") as s3:
+        client = boto3.client("s3", endpoint_url=s3.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                              aws_secret_access_key="testing")  # fmt: skip
+        yield {"bucket": s3.bucket, "endpoint": s3.endpoint, "client": client}
 
 
 @pytest.mark.integration

@@ -169,6 +169,9 @@ def test_job_records_round_trip_and_refuse_wrong_fields(composer_main: ModuleTyp
         JobSpec(**{**data, "weights": {"grpo": 1.0}})
     with pytest.raises(ValueError, match="vote_scope must be 'run' or 'replica', got 'group'"):
         JobSpec(**{**data, "vote_scope": "group"})
+    for every in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1"):
+            JobSpec(**{**data, "checkpoint_every": every})
 
 
 # --------------------------------------------------------------------------- evaluation arithmetic
@@ -205,6 +208,7 @@ def test_channels_flag_and_bad_arguments(composer_main: ModuleType) -> None:
         ["--sync-delay", "10"],
         ["--sync-delay", "-1"],
         ["--vote-scope", "group"],
+        ["--checkpoint-every", "0"],
         ["--channels", "grpo", "--grpo-weight", "0"],
         ["--generations", "1"],
         ["--replicas", "0"],

@@ -959,11 +959,13 @@ def test_a_replica_that_stalls_mid_round_past_keep_rounds_never_writes_into_it(
     _only_tombstones(_attacker(memory_uri), range(3))
 
 
-def _healing_manager(uri: str, rank: int, w: dict[str, torch.Tensor], keep_rounds: int, scope: str) -> MockManager:
+def _healing_manager(
+    uri: str, rank: int, w: dict[str, torch.Tensor], keep_rounds: int, scope: str, checkpoint_every: int = 1
+) -> MockManager:
     """A 2-replica MockManager whose registered state is ``w["w"]`` (short quorum deadline, fast polls)."""
     ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5, poll_interval=0.01,
                               keep_rounds=keep_rounds)  # fmt: skip
-    manager = MockManager(ar, heal_timeout=20, vote_scope=scope)  # type: ignore[arg-type]
+    manager = MockManager(ar, heal_timeout=20, vote_scope=scope, checkpoint_every=checkpoint_every)  # type: ignore[arg-type]
     manager.register_state_dict_fn("w", lambda s: w.update(w=s["w"].clone()), lambda: {"w": w["w"].clone()})
     return manager
 
@@ -1032,6 +1034,8 @@ def test_a_mockmanager_replica_stalled_past_keep_rounds_heals_and_ends_bit_ident
         manager.start_quorum()  # heals from round 5
         healed.set()
         assert manager.current_step() == 6
+        loaded = manager.checkpoint_bytes[1]
+        assert loaded == len(manager.allreduce_backend.store.get(state_key(5))), "the state it loaded, counted"
         for _ in range(2):  # observes round 6, takes part in round 7
             assert _sync(manager, w, 1)
         finals[1] = w["w"]
@@ -1040,6 +1044,107 @@ def test_a_mockmanager_replica_stalled_past_keep_rounds_heals_and_ends_bit_ident
     assert "fell more than keep_rounds=2 rounds behind" in errors[0]
     assert torch.equal(finals[0], finals[1])
     _only_tombstones(_attacker(memory_uri), range(1, 4))
+
+
+def test_checkpoint_bytes_are_the_states_created_apart_from_the_rounds_traffic(memory_uri: str) -> None:
+    """`MockManager.checkpoint_bytes`: the replicas together count each committed round's state once, at its size
+    (a second create of one is refused and not counted), read nothing while in step, and the store's traffic
+    holds those bytes beside the rounds'."""
+    ws = [{"w": torch.randn(4)}, {"w": torch.randn(4)}]
+    managers = [_healing_manager(memory_uri, r, ws[r], 10, "run") for r in range(2)]
+    ok: list[bool] = []
+    for _ in range(3):
+        _run_threads(*(lambda r=r: ok.append(_sync(managers[r], ws[r], r)) for r in range(2)))
+    for m in managers:
+        m.shutdown()
+    assert ok == [True] * 6
+    store = managers[0].allreduce_backend.store
+    sizes = [len(store.get(state_key(r))) for r in range(3)]
+    written = [m.checkpoint_bytes[0] for m in managers]
+    assert sum(written) == sum(sizes)
+    assert all(w > 0 for w in written), "the writer rotates"
+    assert [m.checkpoint_bytes[1] for m in managers] == [0, 0]
+    assert all(m.allreduce_backend.bytes_written > w for m, w in zip(managers, written, strict=True))
+
+
+@pytest.mark.parametrize("every", [0, -1, 2.0, True, "3"])
+def test_checkpoint_every_must_be_a_positive_int(memory_uri: str, every: Any) -> None:
+    ar = ObjectStoreAllReduce(memory_uri, 0, 2, secret=SECRET)
+    with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1"):
+        MockManager(ar, checkpoint_every=every)
+
+
+def test_checkpoint_every_writes_one_state_in_n_rounds(memory_uri: str) -> None:
+    """``checkpoint_every=3``: of committed rounds 0..6 only 0, 3 and 6 get a state (nobody writes the others, not
+    even the presence check), and the replicas' checkpoint bytes are those three states."""
+    ws = [{"w": torch.zeros(4)}, {"w": torch.zeros(4)}]
+    managers = [_healing_manager(memory_uri, r, ws[r], 10, "run", checkpoint_every=3) for r in range(2)]
+    ok: list[bool] = []
+    for _ in range(7):
+        _run_threads(*(lambda r=r: ok.append(_sync(managers[r], ws[r], r)) for r in range(2)))
+    for m in managers:
+        m.shutdown()
+    assert ok == [True] * 14
+    snapshots = managers[0].allreduce_backend.snapshots()
+    assert snapshots.listed() == [0, 3, 6]
+    store = managers[0].allreduce_backend.store
+    assert sum(m.checkpoint_bytes[0] for m in managers) == sum(len(store.get(state_key(r))) for r in (0, 3, 6))
+    assert torch.equal(ws[0]["w"], ws[1]["w"])
+
+
+def test_with_checkpoint_every_a_restarted_replica_observes_until_the_next_state_then_is_in_step(
+    memory_uri: str,
+) -> None:
+    """``checkpoint_every=3``; rank 1 crashes after round 1 and rank 0 commits rounds 2..4 alone (state 3 written).
+    Restarted, rank 1 finds round 4 without a state and no state due before round 6, so it loads round 3's at once
+    (no wait for the 20 s heal timeout), observes rounds 5 and 6, heals from round 6's state, observes round 7 and
+    takes part in round 8: both end bit-identical, and rank 1 never contributed from a stale state."""
+    restarted = threading.Event()
+    finals: dict[int, torch.Tensor] = {}
+    heal_seconds: list[float] = []
+    observed: list[bool] = []
+
+    def rank0() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = _healing_manager(memory_uri, 0, w, 10, "run", checkpoint_every=3)
+        for _ in range(5):  # rounds 0, 1 with rank 1; 2, 3, 4 alone
+            assert _sync(manager, w, 0)
+        restarted.wait(60)
+        for _ in range(4):  # rounds 5..8
+            assert _sync(manager, w, 0)
+        manager.shutdown()
+        finals[0] = w["w"]
+
+    def rank1() -> None:
+        w = {"w": torch.zeros(4)}
+        manager = _healing_manager(memory_uri, 1, w, 10, "run", checkpoint_every=3)
+        for _ in range(2):
+            assert _sync(manager, w, 1)
+        while manager.allreduce_backend.latest_committed_round() != 4:  # then it "crashes"
+            time.sleep(0.01)
+        w = {"w": torch.full((4,), -7.0)}  # a restarted process: fresh weights, fresh manager
+        manager = _healing_manager(memory_uri, 1, w, 10, "run", checkpoint_every=3)
+        began = time.monotonic()
+        manager.start_quorum()
+        heal_seconds.append(time.monotonic() - began)
+        restarted.set()
+        assert manager.current_step() == 4  # round 3's state: 4 syncs committed
+        assert manager._stale  # behind the store's round 4
+        for i in range(4):  # rounds 5..8
+            if i:
+                manager.start_quorum()
+            observed.append(not manager.is_participating())
+            delta = torch.full((4,), float(2 + manager.current_step()))
+            assert manager.allreduce(delta).wait() in (True, False)
+            if manager.should_commit():  # the committed average (an observer's too)
+                w["w"] = w["w"] + delta
+        manager.shutdown()
+        finals[1] = w["w"]
+
+    _run_threads(rank0, rank1)
+    assert heal_seconds[0] < 10, f"rank 1 waited {heal_seconds[0]:.1f} s for a state checkpoint_every never writes"
+    assert observed == [True, True, True, False], "observes 5 and 6 (stale), 7 (healed from 6), takes part in 8"
+    assert torch.equal(finals[0], finals[1])
 
 
 @pytest.mark.parametrize("scope", ["run", "replica"])

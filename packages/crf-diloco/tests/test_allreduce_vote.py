@@ -105,9 +105,10 @@ def test_the_last_voter_settles_the_round_in_two_round_trips(
 ) -> None:
     """Its vote goes out with the reads of the decision and of the other votes (one wave), then its decision (one
     more): two sequential round trips on the training thread's critical path, where a separate collection check,
-    vote, poll and decision took four. Every request takes 20 ms here, so that requests sent together overlap."""
+    vote, poll and decision took four. Every request takes 100 ms here, so that requests sent together overlap even
+    on a loaded machine (at 20 ms, a load of 14 on 2 cores started them a wave apart)."""
     for op in ("read", "write"):
-        fault_rule(op, lambda p: True, lambda p: time.sleep(0.02), count=10**6)
+        fault_rule(op, lambda p: True, lambda p: time.sleep(0.1), count=10**6)
     ars = [ObjectStoreAllReduce("crffaulty://last-voter", r, 2, timeout=20) for r in range(2)]
     _data_phases(ars)
     first: list[bool] = []

@@ -9,6 +9,7 @@ decides, from authenticated objects only, what a replica behind the store loads 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -50,6 +51,16 @@ class StateSnapshots:
         self._store = store
         self._auth = auth
         self.keep = keep
+        self._counted = threading.Lock()
+        self._written = 0
+        self._read = 0
+
+    @property
+    def bytes(self) -> tuple[int, int]:
+        """(written, read): bytes of the states this instance created and of those it read (healing), so a job can
+        tell its checkpoints' share of the store's traffic from its rounds'."""
+        with self._counted:
+            return self._written, self._read
 
     def write(self, round_id: int, state: dict[str, Any]) -> bool:
         """Create the state of committed round ``round_id`` (create-only: False if one is there already), then
@@ -64,6 +75,9 @@ class StateSnapshots:
     def put(self, round_id: int, sealed: Blob) -> bool:
         r"""Create a `seal`\ ed state (False if one is there already), then collect older ones."""
         created = self._store.put_create(state_key(round_id), sealed)
+        if created:
+            with self._counted:
+                self._written += sum(b.nbytes for b in sealed)
         self.collect(round_id)
         return created
 
@@ -76,7 +90,11 @@ class StateSnapshots:
         malformed."""
         key = state_key(round_id)
         blob = self._store.try_get(key)
-        return None if blob is None else loads_state(blob, key, self._auth)
+        if blob is None:
+            return None
+        with self._counted:
+            self._read += len(blob)
+        return loads_state(blob, key, self._auth)
 
     def listed(self) -> list[int]:
         """The rounds of the objects named like states (by name only: not authenticated), ascending."""
@@ -142,6 +160,7 @@ def plan_heal(
     stale: bool,
     registered: Collection[str],
     timeout: float,
+    checkpoint_every: int = 1,
 ) -> Heal | None:
     """What this replica must load to be in step with the store, or ``None`` when it is.
 
@@ -149,6 +168,8 @@ def plan_heal(
     replaced: objects are create-only), or does not appear within ``timeout`` seconds (its writer may have died;
     others write it at their ``start_quorum``), the newest authentic earlier state newer than ``last_committed`` is
     loaded and the replica stays ``stale``; with none, it keeps its own state (or `HealError` if it never had one).
+    With ``checkpoint_every`` N > 1 a state less than N rounds after the newest one listed is never written, so
+    the replica falls back at once instead of waiting ``timeout`` for it.
 
     In step, no request: a replica whose last round (``allreduce.round_id - 1``) is ``last_committed`` is behind
     only if the next round was decided without it, and that round tells it so (`RoundDesyncError` before it writes
@@ -182,6 +203,10 @@ def plan_heal(
             return "fall back"
         if state is not None:
             return Heal(latest, state, frontier, stale=False)
+        if not _state_coming(snapshots, latest, checkpoint_every):
+            logger.info("rank %d: committed round %d has no state (checkpoint_every=%d); loading an earlier one and "
+                        "observing until the next checkpointed round", rank, latest, checkpoint_every)  # fmt: skip
+            return "fall back"
         if late:
             logger.warning("rank %d: the state of committed round %d (%s) did not appear within %.1fs",
                            rank, latest, state_key(latest), timeout)  # fmt: skip
@@ -194,6 +219,16 @@ def plan_heal(
     if found == "in step" or latest is None:
         return None
     return _fall_back(snapshots, rank, latest, frontier, last_committed, stale, registered)
+
+
+def _state_coming(snapshots: StateSnapshots, latest: int, every: int) -> bool:
+    """Whether the state of committed round ``latest`` may still be written: always for ``every`` 1; else only if
+    no state is listed (by name) fewer than ``every`` rounds before it. A name planted to look like such a state
+    only makes a healing replica observe until the next one (nothing unauthenticated is loaded)."""
+    if every == 1:
+        return True
+    newest = max((r for r in snapshots.listed() if r < latest), default=None)
+    return newest is None or latest - newest >= every
 
 
 def _fall_back(

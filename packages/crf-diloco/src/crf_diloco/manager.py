@@ -189,12 +189,19 @@ class MockManager:
       exists, and write it if it is missing. At ``start_quorum()`` a replica that is behind the store's last
       committed round (restarted, late, or one that could not read a committed result) loads that state and
       observes (does not contribute to) its next round. A replica in step asks the store nothing there: one left
-      behind between syncs learns it from its next round (`crf_diloco.healing.plan_heal`).
+      behind between syncs learns it from its next round (`crf_diloco.healing.plan_heal`). With
+      ``checkpoint_every=N`` only a committed round at least N rounds after the last checkpointed one is written
+      (1/N of the bytes); a replica behind a round without a state loads the newest one, observes, and is in step
+      from the next checkpointed round on (up to N syncs later).
 
     Args:
         allreduce: the replica's :class:`ObjectStoreAllReduce`.
         min_replica_size: fewest participants for ``should_commit()`` to return True.
         checkpoint: write post-commit states so that replicas can heal (default True).
+        checkpoint_every: write the state of a committed round only if it is at least this many rounds after the
+            last one written (default 1: every committed round). A state is about twice the model's fp32 bytes,
+            written by one replica per round: N > 1 divides that traffic by N, and a replica that heals may
+            observe up to N syncs (training, not contributing) before it is in step.
         heal_timeout: seconds to wait for the state of the last committed round (default: the
             allreduce's ``timeout``).
         use_async_quorum: must be False (DiLoCo requires a synchronous quorum).
@@ -210,6 +217,7 @@ class MockManager:
         *,
         min_replica_size: int = 1,
         checkpoint: bool = True,
+        checkpoint_every: int = 1,
         heal_timeout: float | None = None,
         use_async_quorum: bool = False,
         overlap: bool = True,
@@ -222,6 +230,11 @@ class MockManager:
         if not 1 <= min_replica_size <= allreduce.world_size:
             raise ValueError(
                 f"min_replica_size must be in [1, world_size={allreduce.world_size}], got {min_replica_size}"
+            )
+        if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 1:
+            raise ValueError(
+                "checkpoint_every must be an int >= 1 (write the global state after a committed round at least that "
+                f"many rounds after the last one written), got {checkpoint_every!r}"
             )
         if heal_timeout is not None and not heal_timeout > 0:
             raise ValueError(f"heal_timeout must be > 0 seconds or None, got {heal_timeout!r}")
@@ -250,6 +263,8 @@ class MockManager:
         self._allreduce = allreduce
         self._min_replica_size = min_replica_size
         self._checkpoint = checkpoint and allreduce.world_size > 1  # a lone replica never needs healing
+        self._checkpoint_every = checkpoint_every
+        self._last_checkpointed: int | None = None  # the last committed round whose state is written
         self._heal_timeout = heal_timeout if heal_timeout is not None else allreduce.timeout
         self._step = 0
         self._batches_committed = 0
@@ -390,6 +405,13 @@ class MockManager:
         work = ObjectStoreWork(self, tensor)
         self._pending.append((tensor, work, op, compression))
         return work
+
+    @property
+    def checkpoint_bytes(self) -> tuple[int, int]:
+        """(written, read): bytes of the global states this replica uploaded after committed rounds and of those it
+        loaded to heal; part of the store's traffic (``allreduce_backend.bytes_written``/``bytes_read``), which also
+        counts the rounds."""
+        return self._snapshots.bytes
 
     @property
     def syncs(self) -> tuple[SyncRecord, ...]:
@@ -551,9 +573,12 @@ class MockManager:
             self._observe_next = False
             if info is not None:
                 self._last_committed_round = info.round_id
-                writer = info.participants[info.round_id % len(info.participants)] if info.participants else None
-                if self._checkpoint and self.rank == writer:  # the writer rotates: no one link carries them all
-                    self._checkpoint_due = info.round_id
+                last = self._last_checkpointed
+                if last is None or info.round_id - last >= self._checkpoint_every:
+                    self._last_checkpointed = info.round_id
+                    writer = info.participants[info.round_id % len(info.participants)] if info.participants else None
+                    if self._checkpoint and self.rank == writer:  # the writer rotates: no one link carries them all
+                        self._checkpoint_due = info.round_id
         return ok
 
     def shutdown(self, wait: bool = True) -> None:
@@ -619,6 +644,8 @@ class MockManager:
         r = self._last_committed_round
         if not self._checkpoint or r is None or not self._save_fns or self._stale or r == self._ensured:
             return
+        if r != self._last_checkpointed:  # checkpoint_every skips this round
+            return
         self._ensured = r
         if self._overlap:
             self._presence = (r, None)  # submitted behind this sync's rounds (`_start_rounds`)
@@ -655,6 +682,7 @@ class MockManager:
             stale=self._stale,
             registered=set(self._load_fns),
             timeout=self._heal_timeout,
+            checkpoint_every=self._checkpoint_every,
         )
         if heal is None:
             return
@@ -662,7 +690,7 @@ class MockManager:
             for key, load_fn in self._load_fns.items():
                 load_fn(heal.state[key])
             self.load_state_dict(heal.state[MANAGER_KEY])
-            self._last_committed_round = heal.round_id
+            self._last_committed_round = self._last_checkpointed = heal.round_id
             how = "falling back to an earlier committed state" if heal.stale else "in step with the store"
             logger.info("rank %d healed from round %d (step %d), %s", self.rank, heal.round_id, self._step, how)
         self._stale = heal.stale  # stale: heal again once a newer committed state exists
