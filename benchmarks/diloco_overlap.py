@@ -127,7 +127,8 @@ def _replica(
     before = plain(args["plain_steps"])
     ar = ObjectStoreAllReduce(uri, rank, world, run_id=args["run_id"], secret=SECRET, timeout=300,
                               compression=args["codec"], storage_options=options)  # fmt: skip
-    manager = MockManager(ar, overlap=args["overlap"], vote_scope=args["vote_scope"])
+    manager = MockManager(ar, overlap=args["overlap"], vote_scope=args["vote_scope"],
+                          checkpoint_every=args["checkpoint_every"])  # fmt: skip
     clock = _SyncClock(manager)
     outer = [torch.optim.SGD(layer.parameters(), lr=0.7, momentum=0.9, nesterov=True) for layer in layers]
     steps: list[tuple[float, bool]] = []
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vote-scope", choices=VOTE_SCOPES, default="run",
                         help="MockManager(vote_scope=...): run, a store-wide vote at should_commit (a barrier); "
                              "replica, torchft's scope (no request at should_commit)")  # fmt: skip
+    parser.add_argument("--checkpoint-every", type=int, default=1,
+                        help="MockManager(checkpoint_every=N): the global state (all fragments, several times a "
+                             "sync's bytes) after every Nth committed sync instead of every one")  # fmt: skip
     parser.add_argument("--slowest", type=int, default=0, help="print the N slowest inner steps of each replica")
     parser.add_argument("--rtt", type=parse_seconds, default=0.040)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
@@ -174,8 +178,8 @@ def main(argv: list[str] | None = None) -> None:
                              "replicas' inner steps; --no-pin: all share every CPU")  # fmt: skip
     parser.add_argument("--link", type=parse_rate, default=50e6)
     args = parser.parse_args(argv)
-    if not 0 < args.delay < args.period or args.replicas < 2:
-        parser.error("need 0 < --delay < --period and --replicas >= 2")
+    if not 0 < args.delay < args.period or args.replicas < 2 or args.checkpoint_every < 1:
+        parser.error("need 0 < --delay < --period, --replicas >= 2 and --checkpoint-every >= 1")
     sys.path.insert(0, str(TEST_SUPPORT))
     from s3_server import moto_s3_server
 
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     config = {"width": args.width, "layers": args.layers, "batch": args.batch, "period": args.period,
               "delay": args.delay, "steps": args.period * args.layers * args.syncs, "plain_steps": args.plain_steps,
               "codec": None if args.codec == "fp32" else args.codec, "overlap": not args.no_overlap,
-              "vote_scope": args.vote_scope,
+              "vote_scope": args.vote_scope, "checkpoint_every": args.checkpoint_every,
               "run_id": f"overlap-{uuid.uuid4().hex[:8]}", "cores": replica_cores}  # fmt: skip
     link = {"rtt": args.rtt, "per_link": args.link, "connect_rtts": 0.0}
     with moto_s3_server("crf-diloco-overlap") as s3:
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Streaming DiLoCo over a simulated WAN (moto S3 behind the proxy: rtt {args.rtt * 1000:.0f} ms, link "
           f"{args.link:.3g} B/s): {args.replicas} replicas, {args.layers} fragments of {args.width}x{args.width}, "
           f"codec {args.codec}, period {args.period}, fragment_sync_delay {args.delay}, overlap "
-          f"{not args.no_overlap}, vote scope {args.vote_scope}; {os.cpu_count()} CPUs, load average "
+          f"{not args.no_overlap}, vote scope {args.vote_scope}, checkpoint every {args.checkpoint_every}; "
+          f"{os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{v:.2f}' for v in load_start)} at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
           f"at the end; {placement(replica_cores, server_cores)}")  # fmt: skip
     print(f"{'rank':>4} {'no sync':>8} {'during sync':>11} {'ratio':>6} {'DiLoCo, no sync':>15} {'steps in sync':>13} "
