@@ -1046,18 +1046,26 @@ def test_a_mockmanager_replica_stalled_past_keep_rounds_heals_and_ends_bit_ident
     _only_tombstones(_attacker(memory_uri), range(1, 4))
 
 
+def _syncs_in_step(
+    uri: str, syncs: int, checkpoint_every: int = 1
+) -> tuple[list[MockManager], list[dict[str, torch.Tensor]]]:
+    """Two `_healing_manager` replicas run ``syncs`` syncs together (each must commit), then shut down."""
+    ws = [{"w": torch.zeros(4)}, {"w": torch.zeros(4)}]
+    managers = [_healing_manager(uri, r, ws[r], 10, "run", checkpoint_every=checkpoint_every) for r in range(2)]
+    ok: list[bool] = []
+    for _ in range(syncs):
+        _run_threads(*(lambda r=r: ok.append(_sync(managers[r], ws[r], r)) for r in range(2)))
+    for m in managers:
+        m.shutdown()
+    assert ok == [True] * (2 * syncs)
+    return managers, ws
+
+
 def test_checkpoint_bytes_are_the_states_created_apart_from_the_rounds_traffic(memory_uri: str) -> None:
     """`MockManager.checkpoint_bytes`: the replicas together count each committed round's state once, at its size
     (a second create of one is refused and not counted), read nothing while in step, and the store's traffic
     holds those bytes beside the rounds'."""
-    ws = [{"w": torch.randn(4)}, {"w": torch.randn(4)}]
-    managers = [_healing_manager(memory_uri, r, ws[r], 10, "run") for r in range(2)]
-    ok: list[bool] = []
-    for _ in range(3):
-        _run_threads(*(lambda r=r: ok.append(_sync(managers[r], ws[r], r)) for r in range(2)))
-    for m in managers:
-        m.shutdown()
-    assert ok == [True] * 6
+    managers, _ = _syncs_in_step(memory_uri, 3)
     store = managers[0].allreduce_backend.store
     sizes = [len(store.get(state_key(r))) for r in range(3)]
     written = [m.checkpoint_bytes[0] for m in managers]
@@ -1077,14 +1085,7 @@ def test_checkpoint_every_must_be_a_positive_int(memory_uri: str, every: Any) ->
 def test_checkpoint_every_writes_one_state_in_n_rounds(memory_uri: str) -> None:
     """``checkpoint_every=3``: of committed rounds 0..6 only 0, 3 and 6 get a state (nobody writes the others, not
     even the presence check), and the replicas' checkpoint bytes are those three states."""
-    ws = [{"w": torch.zeros(4)}, {"w": torch.zeros(4)}]
-    managers = [_healing_manager(memory_uri, r, ws[r], 10, "run", checkpoint_every=3) for r in range(2)]
-    ok: list[bool] = []
-    for _ in range(7):
-        _run_threads(*(lambda r=r: ok.append(_sync(managers[r], ws[r], r)) for r in range(2)))
-    for m in managers:
-        m.shutdown()
-    assert ok == [True] * 14
+    managers, ws = _syncs_in_step(memory_uri, 7, checkpoint_every=3)
     snapshots = managers[0].allreduce_backend.snapshots()
     assert snapshots.listed() == [0, 3, 6]
     store = managers[0].allreduce_backend.store
