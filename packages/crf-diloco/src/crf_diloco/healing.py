@@ -184,6 +184,8 @@ def plan_heal(
     latest: int | None = None
     frontier = 0
 
+    coming: dict[int, bool] = {}  # per latest committed round: may its state still appear (one listing each)
+
     def probe(late: bool) -> Heal | Literal["in step", "fall back"] | None:
         nonlocal latest, frontier
         # frontier first: every round between the latest commit read afterwards and it aborted
@@ -203,7 +205,9 @@ def plan_heal(
             return "fall back"
         if state is not None:
             return Heal(latest, state, frontier, stale=False)
-        if not _state_coming(snapshots, latest, checkpoint_every):
+        if latest not in coming:
+            coming[latest] = _state_coming(snapshots, latest, checkpoint_every)
+        if not coming[latest]:
             logger.info("rank %d: committed round %d has no state (checkpoint_every=%d); loading an earlier one and "
                         "observing until the next checkpointed round", rank, latest, checkpoint_every)  # fmt: skip
             return "fall back"
