@@ -970,9 +970,18 @@ def _healing_manager(
     return manager
 
 
-def _sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int, stall: threading.Event | None = None) -> bool:
-    """One torchft-style sync of ``w``; with ``stall``, waits for it between ``allreduce`` and the round."""
+def _sync(
+    manager: MockManager,
+    w: dict[str, torch.Tensor],
+    rank: int,
+    stall: threading.Event | None = None,
+    gate: threading.Barrier | None = None,
+) -> bool:
+    """One torchft-style sync of ``w``; with ``stall``, waits for it between ``allreduce`` and the round; with
+    ``gate``, waits at it between ``start_quorum`` (a due checkpoint written) and ``allreduce``."""
     manager.start_quorum()
+    if gate is not None:
+        gate.wait(60)
     delta = torch.full((4,), float(rank + 1 + manager.current_step()))
     work = manager.allreduce(delta)
     if stall is not None:
@@ -1103,9 +1112,11 @@ def test_with_checkpoint_every_a_restarted_replica_observes_until_the_next_state
     takes part in round 8: both end bit-identical, and rank 1 never contributed from a stale state. An attacker who
     plants junk named like round 5's state makes round 6's look not due to a replica that asks before it is
     uploaded: rank 1 then observes until round 9's state (three rounds later) instead, and loads nothing
-    unauthentic either way."""
+    unauthentic either way. A gate orders each of rank 1's ``start_quorum`` (its heal) before rank 0's round, so a
+    slow rank 1 is never left out of a round it was meant to observe (rank 0 waits 0.5 s for a quorum)."""
     syncs = 7 if planted else 4
     restarted = threading.Event()
+    gate = threading.Barrier(2)
     finals: dict[int, torch.Tensor] = {}
     heal_seconds: list[float] = []
     observed: list[bool] = []
@@ -1116,8 +1127,8 @@ def test_with_checkpoint_every_a_restarted_replica_observes_until_the_next_state
         for _ in range(5):  # rounds 0, 1 with rank 1; 2, 3, 4 alone
             assert _sync(manager, w, 0)
         restarted.wait(60)
-        for _ in range(syncs):  # rounds 5..
-            assert _sync(manager, w, 0)
+        for i in range(syncs):  # rounds 5..
+            assert _sync(manager, w, 0, gate=gate if i else None)
         manager.shutdown()
         finals[0] = w["w"]
 
@@ -1141,6 +1152,7 @@ def test_with_checkpoint_every_a_restarted_replica_observes_until_the_next_state
         for i in range(syncs):  # rounds 5..
             if i:
                 manager.start_quorum()
+                gate.wait(60)
             observed.append(not manager.is_participating())
             delta = torch.full((4,), float(2 + manager.current_step()))
             assert manager.allreduce(delta).wait() in (True, False)
