@@ -104,6 +104,7 @@ def _replica(
     torch.manual_seed(0)
     layers = [nn.Linear(args["width"], args["width"]) for _ in range(args["layers"])]
     model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())])
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
     inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     x, y = (
@@ -125,6 +126,9 @@ def _replica(
 
     plain(args["plain_steps"] // 2)  # warm-up (allocator, caches): the first steps run slower
     before = plain(args["plain_steps"])
+    # every replica enters DiLoCo with the same weights (DiLoCo's global state starts from them), not its plain steps'
+    model.load_state_dict(initial)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ar = ObjectStoreAllReduce(uri, rank, world, run_id=args["run_id"], secret=SECRET, timeout=300,
                               compression=args["codec"], storage_options=options)  # fmt: skip
     manager = MockManager(ar, overlap=args["overlap"], vote_scope=args["vote_scope"],
@@ -145,7 +149,8 @@ def _replica(
     after = plain(args["plain_steps"])
     traffic = ar.store.traffic()
     ar.close()
-    out.put((rank, before, after, steps, committed, traffic.bytes_read + traffic.bytes_written, clock.waited))
+    moved = (traffic.bytes_read + traffic.bytes_written, sum(manager.checkpoint_bytes))
+    out.put((rank, before, after, steps, committed, moved, clock.waited))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{' '.join(f'{v:.2f}' for v in load_start)} at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
           f"at the end; {placement(replica_cores, server_cores)}")  # fmt: skip
     print(f"{'rank':>4} {'no sync':>8} {'during sync':>11} {'ratio':>6} {'DiLoCo, no sync':>15} {'steps in sync':>13} "
-          f"{'longest step':>12} {'commits':>7} {'MB moved':>8}  "
+          f"{'longest step':>12} {'commits':>7} {'MB moved':>8} {'checkpoints':>11}  "
           "waited s/sync (start_quorum + wait + should_commit)")  # fmt: skip
     ratios = []
     for rank, before, after, steps, committed, moved, waited in sorted(results):
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         ratios.append(during / plain_rate)
         print(f"{rank:>4} {plain_rate:>8.2f} {during:>11.2f} {during / plain_rate:>6.2f} {quiet:>15.2f} "
               f"{len(busy):>6}/{len(measured):<6} {max(d for d, _ in measured):>11.3f}s {committed:>7} "
-              f"{moved / 1e6:>8.1f}  {sum(per_sync.values()):.3f} "
+              f"{moved[0] / 1e6:>8.1f} {moved[1] / 1e6:>11.1f}  {sum(per_sync.values()):.3f} "
               f"({' + '.join(f'{v:.3f}' for v in per_sync.values())})")  # fmt: skip
     print(f"median ratio (inner steps/s during syncs / with no sync): {statistics.median(ratios):.3f}; steps/s")
     if args.slowest:

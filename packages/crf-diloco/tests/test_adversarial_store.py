@@ -33,8 +33,8 @@ from crf_diloco import (
     RoundDesyncError,
 )
 from crf_diloco.auth import Authenticator
-from crf_diloco.checkpoint import dumps_state
-from crf_diloco.layout import RoundKeys, state_key
+from crf_diloco.checkpoint import PartRef, dumps_state, loads_state
+from crf_diloco.layout import RoundKeys, part_key, state_key
 from crf_diloco.records import DecisionRecord, MemberRecord, PayloadSpec, QuorumRecord, VoteRecord
 from crf_diloco.store import ObjectStore
 from crf_diloco.wire import ShardPlan, encode_payload, encode_reduced
@@ -129,6 +129,21 @@ def _aborted(endings: list[Ending], *needles: str) -> None:
 
 def _attacker(uri: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
     return ObjectStore(f"{uri}/default", storage_options)
+
+
+def _state_bytes(store: ObjectStore, round_id: int) -> int:
+    """Bytes of round ``round_id``'s state as stored: its manifest and every part it refers to."""
+    manifest = store.get(state_key(round_id))
+    state = loads_state(manifest, state_key(round_id), Authenticator(SECRET, "default"))
+    digests = {v.digest for v in state.values() if isinstance(v, PartRef)}
+    return len(manifest) + sum(len(store.get(part_key(d))) for d in digests)
+
+
+def _checkpoint_objects_bytes(store: ObjectStore) -> int:
+    """Bytes of every manifest and part in the store."""
+    names = [f"state/{n}" for n in store.list_names("state") if n != "parts"]
+    names += [f"state/parts/{n}" for n in store.list_names("state/parts")]
+    return sum(len(store.get(n)) for n in names)
 
 
 # -- malformed headers (checksum-only mode: the attacker computes valid MACs, so the parser is what stands) -------
@@ -801,8 +816,9 @@ def test_junk_under_state_neither_evicts_nor_replaces_real_checkpoints(memory_ur
     names = set(store.list_names("state"))
     assert {k.rsplit("/", 1)[-1] for k in planted} <= names
     assert all(store.get(key) == blob for key, blob in planted.items()), "planted names are never deleted"
-    real = sorted(n for n in names if n < "r99999997")
+    real = sorted(n for n in names if n.startswith("r") and n < "r99999997")
     assert real == [f"r{r:08d}.safetensors" for r in (4, 5, 6)], "the three newest real states are kept"
+    assert len(store.list_names("state/parts")) == 3, "a part is deleted with the last manifest that refers to it"
 
 
 # -- replicas that stall past keep_rounds or read a listing that lags ----------------------------------------------
@@ -1044,7 +1060,7 @@ def test_a_mockmanager_replica_stalled_past_keep_rounds_heals_and_ends_bit_ident
         healed.set()
         assert manager.current_step() == 6
         loaded = manager.checkpoint_bytes[1]
-        assert loaded == len(manager.allreduce_backend.store.get(state_key(5))), "the state it loaded, counted"
+        assert loaded == _state_bytes(manager.allreduce_backend.store, 5), "the state it loaded, counted"
         for _ in range(2):  # observes round 6, takes part in round 7
             assert _sync(manager, w, 1)
         finals[1] = w["w"]
@@ -1076,9 +1092,8 @@ def test_checkpoint_bytes_are_the_states_created_apart_from_the_rounds_traffic(m
     holds those bytes beside the rounds'."""
     managers, _ = _syncs_in_step(memory_uri, 3)
     store = managers[0].allreduce_backend.store
-    sizes = [len(store.get(state_key(r))) for r in range(3)]
     written = [m.checkpoint_bytes[0] for m in managers]
-    assert sum(written) == sum(sizes)
+    assert sum(written) == _checkpoint_objects_bytes(store) == sum(_state_bytes(store, r) for r in range(3))
     assert all(w > 0 for w in written), "the writer rotates"
     assert [m.checkpoint_bytes[1] for m in managers] == [0, 0]
     assert all(m.allreduce_backend.bytes_written > w for m, w in zip(managers, written, strict=True))
@@ -1098,7 +1113,8 @@ def test_checkpoint_every_writes_one_state_in_n_rounds(memory_uri: str) -> None:
     snapshots = managers[0].allreduce_backend.snapshots()
     assert snapshots.listed() == [0, 3, 6]
     store = managers[0].allreduce_backend.store
-    assert sum(m.checkpoint_bytes[0] for m in managers) == sum(len(store.get(state_key(r))) for r in (0, 3, 6))
+    assert sum(m.checkpoint_bytes[0] for m in managers) == _checkpoint_objects_bytes(store)
+    assert _checkpoint_objects_bytes(store) == sum(_state_bytes(store, r) for r in (0, 3, 6))
     assert torch.equal(ws[0]["w"], ws[1]["w"])
 
 

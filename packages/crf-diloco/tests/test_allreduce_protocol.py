@@ -139,7 +139,7 @@ def test_store_layout_and_garbage_collection(tmp_path: Any, run_replicas: RunRep
     run_replicas(replica, 2)
     run = tmp_path / "default"
     ar = ObjectStoreAllReduce(str(tmp_path), 0, 2)
-    assert json.loads((run / "LAYOUT").read_text())["body"] == {"layout": "crf-diloco", "version": 4, "world_size": 2}
+    assert json.loads((run / "LAYOUT").read_text())["body"] == {"layout": "crf-diloco", "version": 5, "world_size": 2}
     rounds = sorted(p.name for p in run.iterdir() if p.name.startswith("r"))
     assert rounds == [f"r{r:08d}" for r in range(5)]
     for old in rounds[:3]:  # rounds older than keep_rounds are collected, their decision kept as a tombstone

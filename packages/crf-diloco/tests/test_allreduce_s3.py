@@ -136,7 +136,8 @@ def test_s3_diloco_through_mockmanager(
     results = run_replicas(replica, 2, timeout=120)
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=False))
     store = ObjectStore(f"{uri}/default", moto_s3["storage_options"])
-    assert store.list_names("state") == ["r00000000.safetensors", "r00000001.safetensors"]
+    assert store.list_names("state") == ["parts", "r00000000.safetensors", "r00000001.safetensors"]
+    assert store.list_names("state/parts"), "the manifests' parts"
 
 
 def test_s3_preflight(moto_s3: dict[str, Any]) -> None:

@@ -150,7 +150,7 @@ def test_a_round_never_waits_behind_a_checkpoint_upload(
     overtaken: list[str] = []  # uploads held while a later sync of their writer committed
     progress = threading.Condition()
 
-    def hold(path: str) -> None:  # on the writer's upload thread, inside the checkpoint's write
+    def hold(path: str) -> None:  # on the writer's upload thread, at the checkpoint's manifest (after its parts)
         round_id = int(re.search(r"state/r(\d+)\.", path).group(1))  # type: ignore[union-attr]
         rank = round_id % WORLD  # the writer rotates: participants[round % participants]
         with progress:
@@ -160,7 +160,7 @@ def test_a_round_never_waits_behind_a_checkpoint_upload(
             if committed[rank] > seen:
                 overtaken.append(path)
 
-    rule = fault_rule("write", lambda p: "/state/" in p, hold, count=10_000)
+    rule = fault_rule("write", lambda p: re.search(r"/state/r\d+\.", p) is not None, hold, count=10_000)
 
     def after_step(manager: MockManager) -> None:
         with progress:

@@ -61,7 +61,6 @@ from crf_diloco.errors import (
     RoundDesyncError,
     RoundTimeoutError,
 )
-from crf_diloco.healing import StateSnapshots
 from crf_diloco.layout import RoundKeys, validate_name
 from crf_diloco.payload import as_tensor_list, codec_of, count_nonfinite, dtype_runs, flatten, write_back
 from crf_diloco.records import DecisionRecord, MemberRecord, PayloadSpec, QuorumRecord, ranks_named
@@ -74,6 +73,7 @@ from crf_diloco.rounds.feedback import parse_stream_key, residual_of, stream_key
 from crf_diloco.rounds.gather import gather
 from crf_diloco.rounds.peer import Peer
 from crf_diloco.rounds.round import Round, RoundFailure, RoundSettings, why
+from crf_diloco.snapshots import StateSnapshots
 from crf_diloco.store import ObjectStore, validate_uri
 from crf_diloco.wire import decode_payload_blob, encode_payload
 
@@ -235,7 +235,7 @@ class ObjectStoreAllReduce:
         return self._peer.pool
 
     def snapshots(self) -> StateSnapshots:
-        """The run's global state snapshots (``state/r{round}.safetensors``), authenticated with its secret; what
+        """The run's global state snapshots (``state/r{round}.safetensors`` and their parts), authenticated with its secret; what
         `MockManager` writes after a commit and a replica that is behind heals from (:mod:`crf_diloco.healing`)."""
         if self._snapshots is None:
             self._snapshots = StateSnapshots(self.store, self.auth)

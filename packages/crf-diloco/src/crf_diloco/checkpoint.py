@@ -4,13 +4,20 @@ A state such as ``{"StreamingDiLoCoFragment_0": {"outer_optimizer": {...}, "orig
 {...}}, "torchft": {"step": 3, ...}}`` is split into its tensors (stored as safetensors tensors
 ``t0, t1, …``) and a JSON skeleton (stored in the safetensors metadata under ``skeleton``) that
 records dict keys with their types (``int`` keys survive, as in optimizer ``state``), lists,
-tuples, and JSON scalars. Anything else raises ``TypeError`` naming the path of the value. The object is sealed like
-every other (:mod:`crf_diloco.wire`: header MAC, content tag), so a healing replica loads only authentic state.
+tuples, JSON scalars and `PartRef` s (a value stored in another object, named by its digest). Anything else raises
+``TypeError`` naming the path of the value. The object is sealed like every other (:mod:`crf_diloco.wire`: header
+MAC, content tag), so a healing replica loads only authentic state.
+
+`split_state` cuts a state into parts for incremental checkpoints (:mod:`crf_diloco.snapshots`): its top-level
+entries that hold tensors, grouped so that no tensor is in two parts, each named by `part_digest`, a MAC of its
+content with the run's secret: a part that did not change since the last checkpoint has the same name.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,11 +25,35 @@ import torch
 from crf_diloco.auth import Authenticator
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.strictjson import parse_json_object
-from crf_diloco.wire import Blob, decode_object, encode_object
+from crf_diloco.wire import Blob, decode_object, encode_object, tensor_bytes
 
-__all__ = ["dumps_state", "loads_state"]
+__all__ = ["Packed", "PartRef", "dumps_state", "loads_state", "pack_state", "part_digest", "seal_packed", "split_state"]
 
-_FORMAT = "crf-diloco-state-2"
+_FORMAT = "crf-diloco-state-3"
+_DIGEST_RE = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """A value stored in the part object named by ``digest`` (32 hex characters, `part_digest`)."""
+
+    digest: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.digest, str) or not _DIGEST_RE.fullmatch(self.digest):
+            raise ValueError(f"a part digest is 32 lowercase hex characters, got {self.digest!r}")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A state as its JSON ``skeleton`` and its own contiguous CPU ``tensors`` (``t0, t1, …``), ready to seal."""
+
+    skeleton: Any
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 def _pack(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
@@ -33,6 +64,8 @@ def _pack(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
         name = f"t{len(tensors)}"
         tensors[name] = value
         return {"__tensor__": name}
+    if isinstance(value, PartRef):
+        return {"__part__": value.digest}
     if isinstance(value, dict):
         items = []
         for k, v in value.items():
@@ -57,19 +90,32 @@ def _unpack(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if "__tensor__" in value:
             return tensors[value["__tensor__"]]
+        if "__part__" in value:
+            return PartRef(value["__part__"])
         if "__tuple__" in value:
             return tuple(_unpack(v, tensors) for v in value["__tuple__"])
         return {k: _unpack(v, tensors) for k, v in value["__dict__"]}
     return value
 
 
-def dumps_state(state: dict[str, Any], key: str, auth: Authenticator) -> Blob:
-    """Serialise a nested state dict as the authenticated safetensors object at ``key`` (one content tag)."""
+def pack_state(state: dict[str, Any]) -> Packed:
+    """``state`` as a skeleton and copies of its tensors: the copy is what gets written, so the state may change
+    once this returns."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _pack(state, tensors, "")
-    # own contiguous CPU copies: the object must not change while it is written, nor share storage
-    tensors = {name: t.detach().to("cpu").clone().contiguous() for name, t in tensors.items()}
-    return encode_object(key, auth, "state", tensors, {"format": _FORMAT, "skeleton": json.dumps(skeleton)})
+    return Packed(skeleton, {name: t.detach().to("cpu").clone().contiguous() for name, t in tensors.items()})
+
+
+def seal_packed(packed: Packed, key: str, auth: Authenticator) -> Blob:
+    """The authenticated safetensors object of a `pack_state` d state at ``key`` (one content tag)."""
+    return encode_object(
+        key, auth, "state", packed.tensors, {"format": _FORMAT, "skeleton": json.dumps(packed.skeleton)}
+    )
+
+
+def dumps_state(state: dict[str, Any], key: str, auth: Authenticator) -> Blob:
+    """Serialise a nested state dict as the authenticated safetensors object at ``key`` (one content tag)."""
+    return seal_packed(pack_state(state), key, auth)
 
 
 def loads_state(blob: bytes, key: str, auth: Authenticator) -> dict[str, Any]:
@@ -85,3 +131,34 @@ def loads_state(blob: bytes, key: str, auth: Authenticator) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CorruptObjectError(f"{key}: checkpoint root is not a dict")
     return state
+
+
+def part_digest(packed: Packed, auth: Authenticator) -> str:
+    """The name of a part: ``HMAC-SHA256(secret, skeleton ‖ tensor dtypes and shapes ‖ tensor bytes)``, 32 hex
+    characters. Equal parts get equal names on every replica; without the secret nobody can predict one."""
+    layout = json.dumps([packed.skeleton, [[n, str(t.dtype), list(t.shape)] for n, t in packed.tensors.items()]])
+    return auth.mac_hex("state-part", "state/parts", layout.encode(), *map(tensor_bytes, packed.tensors.values()))[:32]
+
+
+def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[Packed]]:
+    """``state``'s top-level entries without tensors (kept inline in the manifest), and the others as packed parts:
+    entries that share a tensor (e.g. fragments sharing one outer optimizer) go into the same part, so no tensor is
+    written twice."""
+    inline: dict[str, Any] = {}
+    groups: list[tuple[list[str], set[int]]] = []
+    for key, value in state.items():
+        found: dict[str, torch.Tensor] = {}
+        _pack(value, found, f"/{key}")  # validates, and finds the entry's tensors
+        if not found:
+            inline[key] = value
+            continue
+        ids = {id(t) for t in found.values()}
+        joined = [g for g in groups if g[1] & ids]
+        keys, merged = [key], set(ids)
+        for g in joined:
+            groups.remove(g)
+            keys, merged = g[0] + keys, merged | g[1]
+        groups.append((keys, merged))
+    order = list(state)
+    parts = [pack_state({k: state[k] for k in sorted(keys, key=order.index)}) for keys, _ in groups]
+    return inline, parts

@@ -1,120 +1,33 @@
-"""Healing: the run's global state snapshots and how a replica that is behind finds the one to load.
+"""Healing: how a replica that is behind the store finds the global state to load.
 
-After a round commits, `MockManager` writes the global state (every registered torchft state plus its own
-``{"round", "step", "batches_committed"}`` under ``"torchft"``) to ``state/r{round}.safetensors``, sealed with the
-run's secret (`crf_diloco.checkpoint`). `StateSnapshots` writes, reads and collects those objects; `plan_heal`
-decides, from authenticated objects only, what a replica behind the store loads at ``start_quorum()``.
+After a round commits, `MockManager` checkpoints the global state (every registered torchft state plus its own
+``{"round", "step", "batches_committed"}`` under ``"torchft"``) as ``state/r{round}.safetensors`` and its parts,
+sealed with the run's secret (`crf_diloco.snapshots`). `plan_heal` decides, from authenticated objects only, what
+a replica behind the store loads at ``start_quorum()``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from crf_diloco.auth import Authenticator
-from crf_diloco.checkpoint import dumps_state, loads_state
 from crf_diloco.errors import CorruptObjectError, HealError
-from crf_diloco.layout import parse_state_key, state_key
+from crf_diloco.layout import state_key
 from crf_diloco.rounds.round import poll_until
-from crf_diloco.store import ObjectStore
-from crf_diloco.wire import Blob, read_header
 
 if TYPE_CHECKING:
     from crf_diloco.allreduce import ObjectStoreAllReduce
+    from crf_diloco.snapshots import StateSnapshots
 
-__all__ = ["KEEP_STATES", "MANAGER_KEY", "Heal", "StateSnapshots", "plan_heal"]
+__all__ = ["MANAGER_KEY", "Heal", "plan_heal"]
 
 logger = logging.getLogger(__name__)
-#: authentic states kept in the store (older ones are deleted when a new one is written)
-KEEP_STATES = 3
 #: the key of the manager's own record in a state: ``{"round", "step", "batches_committed"}``
 MANAGER_KEY = "torchft"
 _MANAGER_FIELDS = ("round", "step", "batches_committed")
-
-
-class StateSnapshots:
-    """The global states written after committed rounds, under ``state/`` of a run's prefix.
-
-    Args:
-        store: the run's prefix.
-        auth: MACs keyed with the run's secret (a state that fails them is corrupt, never loaded).
-        keep: authentic states to keep (the newest ``keep`` up to the one just written).
-    """
-
-    def __init__(self, store: ObjectStore, auth: Authenticator, *, keep: int = KEEP_STATES) -> None:
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise ValueError(f"keep must be an int >= 1 (states kept in the store), got {keep!r}")
-        self._store = store
-        self._auth = auth
-        self.keep = keep
-        self._counted = threading.Lock()
-        self._written = 0
-        self._read = 0
-
-    @property
-    def bytes(self) -> tuple[int, int]:
-        """(written, read): bytes of the states this instance created and of those it read (healing), so a job can
-        tell its checkpoints' share of the store's traffic from its rounds'."""
-        with self._counted:
-            return self._written, self._read
-
-    def write(self, round_id: int, state: dict[str, Any]) -> bool:
-        """Create the state of committed round ``round_id`` (create-only: False if one is there already), then
-        collect older ones."""
-        return self.put(round_id, self.seal(round_id, state))
-
-    def seal(self, round_id: int, state: dict[str, Any]) -> Blob:
-        """The sealed object of ``state`` for round ``round_id``: its tensors are copied now, so the state may change
-        once this returns (e.g. while `put` uploads it in the background)."""
-        return dumps_state(state, state_key(round_id), self._auth)
-
-    def put(self, round_id: int, sealed: Blob) -> bool:
-        r"""Create a `seal`\ ed state (False if one is there already), then collect older ones."""
-        created = self._store.put_create(state_key(round_id), sealed)
-        if created:
-            with self._counted:
-                self._written += sum(b.nbytes for b in sealed)
-        self.collect(round_id)
-        return created
-
-    def exists(self, round_id: int) -> bool:
-        """Whether something is stored under the state key of ``round_id`` (authentic or not)."""
-        return self._store.exists(state_key(round_id))
-
-    def read(self, round_id: int) -> dict[str, Any] | None:
-        """The authentic state of ``round_id`` (``None`` if absent); `CorruptObjectError` if it is not authentic or
-        malformed."""
-        key = state_key(round_id)
-        blob = self._store.try_get(key)
-        if blob is None:
-            return None
-        with self._counted:
-            self._read += len(blob)
-        return loads_state(blob, key, self._auth)
-
-    def listed(self) -> list[int]:
-        """The rounds of the objects named like states (by name only: not authenticated), ascending."""
-        return sorted(r for r in map(parse_state_key, self._store.list_names("state")) if r is not None)
-
-    def collect(self, round_id: int) -> None:
-        """Keep the ``keep`` newest authentic states up to ``round_id`` and delete the authentic ones before them.
-        Only states whose header authenticates are counted or deleted, none after ``round_id``: junk named like a
-        state (``state/r99999999.safetensors``) is neither kept in place of a real checkpoint nor deleted."""
-        kept = 0
-        for r in sorted((r for r in self.listed() if r <= round_id), reverse=True):
-            try:
-                header = read_header(self._store, state_key(r), self._auth)
-            except (FileNotFoundError, CorruptObjectError):
-                continue
-            if header.metadata.get("kind") != "state":
-                continue
-            kept += 1
-            if kept > self.keep:
-                self._store.remove_tree(state_key(r))
 
 
 def read_manager_state(snapshots: StateSnapshots, round_id: int, registered: Collection[str]) -> dict[str, Any] | None:

@@ -29,8 +29,8 @@ from torch.distributed import ReduceOp
 from crf_diloco.allreduce import ObjectStoreAllReduce
 from crf_diloco.errors import AllReduceError, PayloadMismatchError
 from crf_diloco.healing import MANAGER_KEY, plan_heal
+from crf_diloco.snapshots import FrozenState
 from crf_diloco.store import Traffic
-from crf_diloco.wire import Blob
 
 __all__ = ["DILOCO_MANAGER_SURFACE", "VOTE_SCOPES", "MockManager", "ObjectStoreWork", "SyncRecord", "VoteScope"]
 
@@ -612,18 +612,18 @@ class MockManager:
         round_id, self._checkpoint_due = self._checkpoint_due, None
         self._ensured = round_id  # this replica writes it: no check of its own upload (it may still be under way)
         try:
-            sealed = self._snapshots.seal(round_id, self._state(round_id))
+            frozen = self._snapshots.freeze(self._state(round_id))
         except AllReduceError as e:
             logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
             return
         if not self._overlap:
-            self._put_checkpoint(round_id, sealed)
+            self._put_checkpoint(round_id, frozen)
             return
-        self._upload = self._background("upload").submit(self._put_checkpoint, round_id, sealed)  # in round order
+        self._upload = self._background("upload").submit(self._put_checkpoint, round_id, frozen)  # in round order
 
-    def _put_checkpoint(self, round_id: int, sealed: Blob) -> None:
+    def _put_checkpoint(self, round_id: int, frozen: FrozenState) -> None:
         try:
-            self._snapshots.put(round_id, sealed)
+            self._snapshots.put(round_id, frozen)
         except AllReduceError as e:
             logger.warning("could not write the checkpoint of round %d: %s", round_id, e)
 

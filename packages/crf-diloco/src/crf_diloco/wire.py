@@ -83,6 +83,7 @@ __all__ = [
     "read_header",
     "read_payload_shard",
     "read_reduced",
+    "tensor_bytes",
     "wire_roundtrip",
 ]
 
@@ -370,7 +371,7 @@ def feedback_roundtrip(x: torch.Tensor, residual: torch.Tensor | None, codec: st
 
 
 # -- buffers ------------------------------------------------------------------------------------------
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor (a view when contiguous)."""
     if t.numel() == 0:
         return memoryview(b"")
@@ -425,7 +426,7 @@ def encode_object(
     trip. The data are not copied: the returned buffers point into ``tensors``.
     """
     names = sorted(tensors)
-    buffers = [_bytes_of(tensors[n]) for n in names]
+    buffers = [tensor_bytes(tensors[n]) for n in names]
     nonce = auth.new_nonce()
     if items is None:
         tags = [auth.tag(key, nonce, 0, buffers)]

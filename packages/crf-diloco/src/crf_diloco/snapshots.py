@@ -1,0 +1,198 @@
+"""The run's global state snapshots, written incrementally: a manifest per checkpointed round, content-named parts.
+
+After a round commits, `MockManager` checkpoints the global state (every registered torchft state plus its own
+``{"round", "step", "batches_committed"}`` under ``"torchft"``). The state is cut into parts
+(`crf_diloco.checkpoint.split_state`: its top-level entries with tensors, e.g. one per Streaming DiLoCo fragment)
+stored once each under ``state/parts/{digest}.safetensors``, the digest being a MAC of the part's content with the
+run's secret, and a small manifest ``state/r{round}.safetensors`` that holds the entries without tensors and refers
+to the parts by digest. A part that did not change since an earlier checkpoint (a fragment that did not sync) is
+not written again, so a checkpoint after one fragment's sync costs about 1/F of the state, not all of it.
+
+Every object is sealed with the run's secret (`crf_diloco.checkpoint`); a reader loads a state only if its manifest
+and every part authenticate and each part is the content its name says. A part is deleted only with the last kept
+manifest that refers to it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from crf_diloco.auth import Authenticator
+from crf_diloco.checkpoint import Packed, PartRef, loads_state, pack_state, part_digest, seal_packed, split_state
+from crf_diloco.errors import CorruptObjectError
+from crf_diloco.layout import parse_state_key, part_key, state_key
+from crf_diloco.store import ObjectStore
+from crf_diloco.strictjson import parse_json_object
+from crf_diloco.wire import read_header
+
+__all__ = ["KEEP_STATES", "FrozenState", "StateSnapshots"]
+
+#: authentic states kept in the store (older ones are deleted when a new one is written)
+KEEP_STATES = 3
+
+
+@dataclass(frozen=True)
+class FrozenState:
+    """A state copied for a checkpoint (`StateSnapshots.freeze`): its top-level keys in order, the entries without
+    tensors, and the others packed into parts."""
+
+    order: tuple[str, ...]
+    inline: dict[str, Any]
+    parts: tuple[Packed, ...]
+
+
+class StateSnapshots:
+    """The global states written after committed rounds, under ``state/`` of a run's prefix.
+
+    Args:
+        store: the run's prefix.
+        auth: MACs keyed with the run's secret (a state that fails them is corrupt, never loaded).
+        keep: authentic states to keep (the newest ``keep`` up to the one just written).
+    """
+
+    def __init__(self, store: ObjectStore, auth: Authenticator, *, keep: int = KEEP_STATES) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (states kept in the store), got {keep!r}")
+        self._store = store
+        self._auth = auth
+        self.keep = keep
+        self._counted = threading.Lock()
+        self._written = 0
+        self._read = 0
+
+    @property
+    def bytes(self) -> tuple[int, int]:
+        """(written, read): bytes of the manifests and parts this instance created and of those it read (healing),
+        so a job can tell its checkpoints' share of the store's traffic from its rounds'."""
+        with self._counted:
+            return self._written, self._read
+
+    def _count(self, written: int = 0, read: int = 0) -> None:
+        with self._counted:
+            self._written += written
+            self._read += read
+
+    def write(self, round_id: int, state: dict[str, Any]) -> bool:
+        """Create the state of committed round ``round_id`` (create-only: False if its manifest is there already),
+        then collect older ones."""
+        return self.put(round_id, self.freeze(state))
+
+    def freeze(self, state: dict[str, Any]) -> FrozenState:
+        """``state`` cut into parts and copied now (no I/O, no hashing), so it may change once this returns (e.g.
+        while `put` uploads it in the background)."""
+        inline, parts = split_state(state)
+        return FrozenState(tuple(state), copy.deepcopy(inline), tuple(parts))  # inline: no tensors
+
+    def put(self, round_id: int, frozen: FrozenState) -> bool:
+        """Name the parts of a `freeze` d state, upload those the store lacks (one listing), then create its manifest
+        (False if one is there already) and collect older states."""
+        stored = set(self._store.list_names("state/parts"))
+        refs: dict[str, PartRef] = {}
+        for part in frozen.parts:
+            digest = part_digest(part, self._auth)
+            refs.update((entry, PartRef(digest)) for entry, _ in part.skeleton["__dict__"])
+            key = part_key(digest)
+            if key.rsplit("/", 1)[-1] in stored:
+                continue
+            sealed = seal_packed(part, key, self._auth)
+            if self._store.put_create(key, sealed):
+                self._count(written=sum(b.nbytes for b in sealed))
+        manifest = pack_state({k: refs[k] if k in refs else frozen.inline[k] for k in frozen.order})
+        sealed = seal_packed(manifest, state_key(round_id), self._auth)
+        created = self._store.put_create(state_key(round_id), sealed)
+        if created:
+            self._count(written=sum(b.nbytes for b in sealed))
+        self.collect(round_id)
+        return created
+
+    def exists(self, round_id: int) -> bool:
+        """Whether something is stored under the manifest key of ``round_id`` (authentic or not)."""
+        return self._store.exists(state_key(round_id))
+
+    def read(self, round_id: int) -> dict[str, Any] | None:
+        """The authentic state of ``round_id`` (``None`` if it has no manifest); `CorruptObjectError` if the manifest
+        or a part is not authentic, malformed, missing, or not the content its name says."""
+        key = state_key(round_id)
+        blob = self._store.try_get(key)
+        if blob is None:
+            return None
+        self._count(read=len(blob))
+        state = loads_state(blob, key, self._auth)
+        loaded: dict[str, dict[str, Any]] = {}
+        for name, value in state.items():
+            if not isinstance(value, PartRef):
+                continue
+            if value.digest not in loaded:
+                loaded[value.digest] = self._read_part(key, value.digest)
+            if name not in loaded[value.digest]:
+                raise CorruptObjectError(f"{key}: part {value.digest} has no entry {name!r}")
+            state[name] = loaded[value.digest][name]
+        return state
+
+    def _read_part(self, manifest: str, digest: str) -> dict[str, Any]:
+        key = part_key(digest)
+        blob = self._store.try_get(key)
+        if blob is None:
+            raise CorruptObjectError(f"{manifest}: its part {key} is missing (collected or never written)")
+        self._count(read=len(blob))
+        part = loads_state(blob, key, self._auth)
+        if part_digest(pack_state(part), self._auth) != digest or any(isinstance(v, PartRef) for v in part.values()):
+            raise CorruptObjectError(f"{key}: its content is not the part its name says")
+        return part
+
+    def listed(self) -> list[int]:
+        """The rounds of the objects named like manifests (by name only: not authenticated), ascending."""
+        return sorted(r for r in map(parse_state_key, self._store.list_names("state")) if r is not None)
+
+    def _refs(self, round_id: int) -> set[str] | None:
+        """The digests an authentic manifest refers to (read from its header), or ``None`` if it is not one."""
+        key = state_key(round_id)
+        try:
+            header = read_header(self._store, key, self._auth)
+            if header.metadata.get("kind") != "state":
+                return None
+            skeleton = parse_json_object(b'{"root":' + header.meta("skeleton").encode() + b"}", key)["root"]
+        except (FileNotFoundError, CorruptObjectError):
+            return None
+        items = skeleton.get("__dict__") if isinstance(skeleton, dict) else None
+        if not isinstance(items, list):
+            return None
+        return {
+            v["__part__"]
+            for item in items
+            if isinstance(item, list)
+            and len(item) == 2
+            and isinstance(v := item[1], dict)
+            and isinstance(v.get("__part__"), str)
+        }
+
+    def collect(self, round_id: int) -> None:
+        """Keep the ``keep`` newest authentic states up to ``round_id`` and delete the authentic ones before them,
+        with the parts no remaining authentic manifest refers to. Only manifests whose header authenticates are
+        counted or deleted, none after ``round_id``: junk named like a state (``state/r99999999.safetensors``) is
+        neither kept in place of a real checkpoint nor deleted."""
+        kept = 0
+        dropped: set[str] = set()
+        remaining: set[str] = set()
+        for r in sorted(self.listed(), reverse=True):
+            refs = self._refs(r)
+            if refs is None:
+                continue
+            if r > round_id:
+                remaining |= refs
+                continue
+            kept += 1
+            if kept > self.keep:
+                self._store.remove_tree(state_key(r))
+                dropped |= refs
+            else:
+                remaining |= refs
+        orphaned = [part_key(d) for d in sorted(dropped - remaining)]
+        if self._store.remote:
+            self._store.remove_keys(orphaned)
+        else:
+            for key in orphaned:
+                self._store.remove(key)

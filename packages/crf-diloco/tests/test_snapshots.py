@@ -1,0 +1,221 @@
+"""Incremental state checkpoints: a manifest per round, content-named parts written once (`crf_diloco.snapshots`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from crf_diloco.auth import Authenticator
+from crf_diloco.checkpoint import (
+    Packed,
+    PartRef,
+    dumps_state,
+    loads_state,
+    pack_state,
+    part_digest,
+    seal_packed,
+    split_state,
+)
+from crf_diloco.errors import CorruptObjectError
+from crf_diloco.layout import part_key, state_key
+from crf_diloco.snapshots import StateSnapshots
+from crf_diloco.store import ObjectStore
+
+AUTH = Authenticator("snapshot-secret-0123456789abcdefgh", "run")
+WRONG = Authenticator("attacker-guess-0123456789abcdefghij", "run")
+
+
+def _fragment(seed: int, width: int = 64) -> dict[str, Any]:
+    """A Streaming DiLoCo fragment's state: outer SGD momentum and the global parameters."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "outer_optimizer": {
+            "state": {0: {"momentum_buffer": torch.randn(width, width, generator=g)}},
+            "param_groups": [{"lr": 0.7, "momentum": 0.9, "nesterov": True, "params": [0]}],
+        },
+        "original_parameters": {
+            "weight": torch.randn(width, width, generator=g),
+            "bias": torch.randn(width, generator=g),
+        },
+    }
+
+
+def _state(round_id: int, seeds: tuple[int, ...]) -> dict[str, Any]:
+    state: dict[str, Any] = {f"StreamingDiLoCoFragment_{i}": _fragment(s) for i, s in enumerate(seeds)}
+    state["torchft"] = {"round": round_id, "step": round_id + 1, "batches_committed": 2 * (round_id + 1)}
+    return state
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _snapshots(uri: str, keep: int = 3) -> tuple[StateSnapshots, ObjectStore]:
+    store = ObjectStore(uri)
+    return StateSnapshots(store, AUTH, keep=keep), store
+
+
+def test_a_checkpoint_after_one_fragment_synced_writes_that_fragment_and_a_manifest(memory_uri: str) -> None:
+    """Round 0 writes three fragment parts and a manifest; round 1 (fragment 1 synced) writes one part and a
+    manifest, about a third of round 0's bytes; both rounds read back bit-identical (int keys, tuples, scalars)."""
+    snapshots, store = _snapshots(memory_uri)
+    first, second = _state(0, (1, 2, 3)), _state(1, (1, 20, 3))
+    assert snapshots.write(0, first)
+    round0 = snapshots.bytes[0]
+    assert snapshots.write(1, second)
+    round1 = snapshots.bytes[0] - round0
+    part = len(b"".join(dumps_state({"f": _fragment(20)}, "k", AUTH)))
+    assert len(store.list_names("state/parts")) == 4
+    assert part < round1 < part + 2048, "one part and a small manifest"
+    assert round1 < 0.4 * round0
+    assert _equal(snapshots.read(0), first)
+    assert _equal(snapshots.read(1), second)
+    stored = [len(store.get(state_key(r))) + sum(len(store.get(part_key(d))) for d in _manifest_refs(store, r))
+              for r in (0, 1)]  # fmt: skip
+    assert snapshots.bytes[1] == sum(stored), "reads counted: each manifest and the parts it names"
+
+
+def test_fragments_that_share_an_optimizer_are_one_part_and_keep_sharing_it(memory_uri: str) -> None:
+    """torchft registers a shared outer optimizer under every fragment: those entries form one part (no tensor
+    written twice) and a loaded state shares the tensor again; entries with no tensor stay in the manifest."""
+    shared = {"state": {0: {"momentum_buffer": torch.randn(8)}}, "param_groups": [{"lr": 0.7, "params": [0]}]}
+    state = {
+        "a": {"outer_optimizer": shared, "original_parameters": {"w": torch.randn(8)}},
+        "b": {"outer_optimizer": shared, "original_parameters": {"w": torch.randn(8)}},
+        "c": {"original_parameters": {"w": torch.randn(3)}},
+        "torchft": {"round": 0, "step": 1, "batches_committed": 2},
+    }
+    inline, parts = split_state(state)
+    assert inline == {"torchft": state["torchft"]}
+    assert [[k for k, _ in p.skeleton["__dict__"]] for p in parts] == [["a", "b"], ["c"]]
+    assert len(parts[0].tensors) == 3, "the shared momentum once, two weights"
+    snapshots, _ = _snapshots(memory_uri)
+    snapshots.write(0, state)
+    back = snapshots.read(0)
+    assert back is not None
+    assert _equal(back, state)
+    m = "momentum_buffer"
+    assert back["a"]["outer_optimizer"]["state"][0][m] is back["b"]["outer_optimizer"]["state"][0][m]
+
+
+def test_freeze_copies_the_state_so_later_changes_are_not_written(memory_uri: str) -> None:
+    """The manager freezes a state on the training thread and uploads it later: the tensors and the inline entries
+    written are those of the freeze."""
+    snapshots, _ = _snapshots(memory_uri)
+    state = _state(0, (1,))
+    expected = _state(0, (1,))
+    frozen = snapshots.freeze(state)
+    state["StreamingDiLoCoFragment_0"]["original_parameters"]["weight"].add_(1.0)
+    state["torchft"]["step"] = 99
+    assert snapshots.put(0, frozen)
+    assert _equal(snapshots.read(0), expected)
+    assert not snapshots.put(0, snapshots.freeze(state)), "create-only: a second manifest of round 0 is refused"
+    assert _equal(snapshots.read(0), expected)
+
+
+def test_part_names_are_keyed_with_the_secret() -> None:
+    """Equal content gets equal names under one secret (every replica, every round) and a name nobody without the
+    secret can predict (and plant junk under first)."""
+    packed = pack_state({"f": _fragment(5)})
+    assert part_digest(packed, AUTH) == part_digest(pack_state({"f": _fragment(5)}), AUTH)
+    assert part_digest(packed, AUTH) != part_digest(packed, WRONG)
+    assert part_digest(packed, AUTH) != part_digest(pack_state({"f": _fragment(6)}), AUTH)
+    assert part_digest(packed, AUTH) != part_digest(pack_state({"g": _fragment(5)}), AUTH), "the entry's name counts"
+
+
+def test_collection_deletes_a_part_with_the_last_manifest_that_refers_to_it(memory_uri: str) -> None:
+    """keep=2 over rounds 0..3 where fragment 0 never changes and fragment 1 changes every round: fragment 0's part
+    stays (every kept manifest refers to it), fragment 1's old parts go with their manifests, and junk named like a
+    part is never deleted."""
+    snapshots, store = _snapshots(memory_uri, keep=2)
+    store.put_create(part_key("f" * 32), b"junk named like a part")
+    for r in range(4):
+        snapshots.write(r, _state(r, (1, 10 + r)))
+    assert snapshots.listed() == [2, 3]
+    assert len(store.list_names("state/parts")) == 1 + 2 + 1, "fragment 0, fragment 1 of rounds 2 and 3, the junk"
+    assert store.get(part_key("f" * 32)) == b"junk named like a part"
+    for r in (2, 3):
+        assert _equal(snapshots.read(r), _state(r, (1, 10 + r)))
+
+
+def _manifest_refs(store: ObjectStore, round_id: int) -> list[str]:
+    state = loads_state(store.get(state_key(round_id)), state_key(round_id), AUTH)
+    return [v.digest for v in state.values() if isinstance(v, PartRef)]
+
+
+def _plant_manifest(store: ObjectStore, round_id: int, state: dict[str, Any], auth: Authenticator = AUTH) -> None:
+    store.put_create(state_key(round_id), dumps_state(state, state_key(round_id), auth))
+
+
+ATTACKS = [
+    "part deleted",
+    "part replaced by junk",
+    "part forged without the secret",
+    "part sealed under another part's name",
+    "part holding a reference",
+    "manifest refers to a malformed digest",
+    "manifest refers to a part without its entry",
+]
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_a_state_whose_parts_are_not_what_its_manifest_names_is_corrupt(memory_uri: str, attack: str) -> None:
+    """Each attack on a state's parts makes reading it raise `CorruptObjectError` naming the object (a healing
+    replica then falls back to an earlier state): nothing unauthentic or mismatched is ever returned."""
+    snapshots, store = _snapshots(memory_uri)
+    snapshots.write(0, _state(0, (1, 2)))
+    digest = _manifest_refs(store, 0)[0]
+    other = pack_state({"StreamingDiLoCoFragment_0": _fragment(99)})
+    if attack == "part deleted":
+        store.remove(part_key(digest))
+    elif attack == "part replaced by junk":
+        store.remove(part_key(digest))
+        store.put_create(part_key(digest), b"\x00" * 64)
+    elif attack == "part forged without the secret":
+        store.remove(part_key(digest))
+        store.put_create(part_key(digest), seal_packed(other, part_key(digest), WRONG))
+    elif attack == "part sealed under another part's name":  # a writer with the secret, buggy or hostile
+        store.remove(part_key(digest))
+        store.put_create(part_key(digest), seal_packed(other, part_key(digest), AUTH))
+    elif attack == "part holding a reference":
+        store.remove(part_key(digest))
+        sneaky = pack_state({"StreamingDiLoCoFragment_0": PartRef("a" * 32)})
+        store.put_create(part_key(digest), seal_packed(sneaky, part_key(digest), AUTH))
+    elif attack == "manifest refers to a malformed digest":  # a writer with the secret: a path, not a digest
+        crafted = Packed({"__dict__": [["f", {"__part__": "../r00000000.safetensors"}]]}, {})
+        store.put_create(state_key(1), seal_packed(crafted, state_key(1), AUTH))
+        with pytest.raises(CorruptObjectError, match=r"r00000001\.safetensors: malformed state skeleton"):
+            snapshots.read(1)
+        _plant_manifest(store, 2, {"f": {"__part__": "../x"}, "torchft": {}})  # a user's dict, not a reference
+        assert snapshots.read(2) == {"f": {"__part__": "../x"}, "torchft": {}}
+        return
+    elif attack == "manifest refers to a part without its entry":
+        _plant_manifest(store, 1, {"Other": PartRef(digest), "torchft": {}})
+        with pytest.raises(CorruptObjectError, match=f"part {digest} has no entry 'Other'"):
+            snapshots.read(1)
+        return
+    with pytest.raises(CorruptObjectError, match="state/"):
+        snapshots.read(0)
+
+
+def test_a_manifest_that_is_not_authentic_is_refused_and_junk_does_not_stop_a_writer(memory_uri: str) -> None:
+    """A manifest forged without the secret is corrupt; junk planted under ``state/parts`` does not make the writer
+    skip a part it needs (the names are keyed) and is never collected."""
+    snapshots, store = _snapshots(memory_uri, keep=1)
+    _plant_manifest(store, 5, _state(5, (1,)), WRONG)
+    with pytest.raises(CorruptObjectError, match="r00000005"):
+        snapshots.read(5)
+    store.put_create(part_key(part_digest(pack_state({"StreamingDiLoCoFragment_0": _fragment(1)}), WRONG)), b"x")
+    for r in range(3):
+        assert snapshots.write(r, _state(r, (1,)))
+        assert _equal(snapshots.read(r), _state(r, (1,)))
+    assert snapshots.listed() == [2, 5], "the forged manifest is neither kept in place of a real one nor deleted"
+    assert len(store.list_names("state/parts")) == 2, "the real part and the junk"
