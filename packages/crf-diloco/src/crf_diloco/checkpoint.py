@@ -25,9 +25,19 @@ import torch
 from crf_diloco.auth import Authenticator
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.strictjson import parse_json_object
-from crf_diloco.wire import Blob, decode_object, encode_object, tensor_bytes
+from crf_diloco.wire import Blob, Header, decode_object, encode_object, tensor_bytes
 
-__all__ = ["Packed", "PartRef", "dumps_state", "loads_state", "pack_state", "part_digest", "seal_packed", "split_state"]
+__all__ = [
+    "Packed",
+    "PartRef",
+    "dumps_state",
+    "loads_state",
+    "pack_state",
+    "part_digest",
+    "referenced_parts",
+    "seal_packed",
+    "split_state",
+]
 
 _FORMAT = "crf-diloco-state-3"
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
@@ -121,9 +131,7 @@ def dumps_state(state: dict[str, Any], key: str, auth: Authenticator) -> Blob:
 def loads_state(blob: bytes, key: str, auth: Authenticator) -> dict[str, Any]:
     """Inverse of :func:`dumps_state`; `CorruptObjectError` naming ``key`` for anything not authentic or malformed."""
     header, tensors = decode_object(blob, key, auth, "state")
-    if header.metadata.get("format") != _FORMAT:
-        raise CorruptObjectError(f"{key}: not a crf-diloco state checkpoint (format {header.metadata.get('format')!r})")
-    skeleton = parse_json_object(b'{"root":' + header.meta("skeleton").encode() + b"}", key)["root"]
+    skeleton = _skeleton(header)
     try:
         state = _unpack(skeleton, tensors)
     except (KeyError, TypeError, ValueError, IndexError, RecursionError) as exc:
@@ -131,6 +139,25 @@ def loads_state(blob: bytes, key: str, auth: Authenticator) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CorruptObjectError(f"{key}: checkpoint root is not a dict")
     return state
+
+
+def _skeleton(header: Header) -> Any:
+    if header.metadata.get("kind") != "state" or header.metadata.get("format") != _FORMAT:
+        raise CorruptObjectError(
+            f"{header.key}: not a crf-diloco state checkpoint (format {header.metadata.get('format')!r})"
+        )
+    return parse_json_object(b'{"root":' + header.meta("skeleton").encode() + b"}", header.key)["root"]
+
+
+def referenced_parts(header: Header) -> set[str]:
+    """The digests of the parts an authenticated state header (a manifest's) refers to at its top level;
+    `CorruptObjectError` if it is not a state's."""
+    skeleton = _skeleton(header)
+    items = skeleton.get("__dict__") if isinstance(skeleton, dict) else None
+    if not isinstance(items, list):
+        raise CorruptObjectError(f"{header.key}: checkpoint root is not a dict")
+    refs = (item[1] for item in items if isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict))
+    return {ref["__part__"] for ref in refs if isinstance(ref.get("__part__"), str)}
 
 
 def part_digest(packed: Packed, auth: Authenticator) -> str:

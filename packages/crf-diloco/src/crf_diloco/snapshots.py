@@ -21,11 +21,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from crf_diloco.auth import Authenticator
-from crf_diloco.checkpoint import Packed, PartRef, loads_state, pack_state, part_digest, seal_packed, split_state
+from crf_diloco.checkpoint import (
+    Packed,
+    PartRef,
+    loads_state,
+    pack_state,
+    part_digest,
+    referenced_parts,
+    seal_packed,
+    split_state,
+)
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.layout import parse_state_key, part_key, state_key
 from crf_diloco.store import ObjectStore
-from crf_diloco.strictjson import parse_json_object
 from crf_diloco.wire import read_header
 
 __all__ = ["KEEP_STATES", "FrozenState", "StateSnapshots"]
@@ -149,25 +157,10 @@ class StateSnapshots:
 
     def _refs(self, round_id: int) -> set[str] | None:
         """The digests an authentic manifest refers to (read from its header), or ``None`` if it is not one."""
-        key = state_key(round_id)
         try:
-            header = read_header(self._store, key, self._auth)
-            if header.metadata.get("kind") != "state":
-                return None
-            skeleton = parse_json_object(b'{"root":' + header.meta("skeleton").encode() + b"}", key)["root"]
+            return referenced_parts(read_header(self._store, state_key(round_id), self._auth))
         except (FileNotFoundError, CorruptObjectError):
             return None
-        items = skeleton.get("__dict__") if isinstance(skeleton, dict) else None
-        if not isinstance(items, list):
-            return None
-        return {
-            v["__part__"]
-            for item in items
-            if isinstance(item, list)
-            and len(item) == 2
-            and isinstance(v := item[1], dict)
-            and isinstance(v.get("__part__"), str)
-        }
 
     def collect(self, round_id: int) -> None:
         """Keep the ``keep`` newest authentic states up to ``round_id`` and delete the authentic ones before them,
