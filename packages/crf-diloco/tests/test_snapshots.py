@@ -311,3 +311,17 @@ def test_a_restarted_replica_heals_from_parts_written_in_different_rounds(
     assert len(set(uploads)) == 3 + 7
     assert StateSnapshots(store, Authenticator(SECRET, "default")).listed() == [5, 6, 7]
     assert len(store.list_names("state/parts")) == 5
+
+
+def test_incremental_checkpoints_and_their_collection_on_s3(moto_s3: dict[str, Any]) -> None:
+    """The same on moto's S3 server through s3fs: listing ``state/parts/`` (a prefix, not a folder), bulk deletes of
+    collected parts, junk named like a part left alone."""
+    store = ObjectStore(f"s3://{moto_s3['bucket']}/snapshots-{time.monotonic_ns()}", moto_s3["storage_options"])
+    snapshots = StateSnapshots(store, AUTH, keep=1)
+    store.put_create(part_key("e" * 32), b"junk named like a part")
+    for r in range(3):
+        assert snapshots.write(r, _state(r, (1, 10 + r)))
+    assert snapshots.listed() == [2]
+    assert len(store.list_names("state/parts")) == 3, "fragment 0, fragment 1 of round 2, the junk"
+    assert _equal(snapshots.read(2), _state(2, (1, 12)))
+    assert snapshots.bytes[0] < 4 * len(b"".join(dumps_state({"f": _fragment(1)}, "k", AUTH))) + 3 * 2048
