@@ -65,6 +65,11 @@ class Packed:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    @property
+    def entries(self) -> list[str]:
+        """The top-level keys of a packed dict state, in order."""
+        return [k for k, _ in self.skeleton["__dict__"]]
+
 
 def _pack(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
     if isinstance(value, torch.Tensor):

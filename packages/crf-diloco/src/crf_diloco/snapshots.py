@@ -101,7 +101,7 @@ class StateSnapshots:
         refs: dict[str, PartRef] = {}
         for part in frozen.parts:
             digest = part_digest(part, self._auth)
-            refs.update((entry, PartRef(digest)) for entry, _ in part.skeleton["__dict__"])
+            refs.update((entry, PartRef(digest)) for entry in part.entries)
             key = part_key(digest)
             if key.rsplit("/", 1)[-1] in stored:
                 continue
