@@ -342,7 +342,9 @@ def test_fp32_overflow_of_the_reduction_aborts(memory_uri: str, run_replicas: Ru
 def test_forged_state_at_heal_time_falls_back_and_catches_up(memory_uri: str) -> None:
     """The attacker plants a forged checkpoint for round 2 before it is written. Rank 1 restarts after round 1 and
     heals: it refuses the forgery, loads round 1's authentic state, observes round 3 and heals from round 3's state;
-    from then on it is bit-identical with rank 0. The forged weights never reach it."""
+    from then on it is bit-identical with rank 0. The forged weights never reach it. After the restart a gate orders
+    each of rank 1's ``start_quorum`` (its heal) before rank 0's round: a rank 1 slower than rank 0's 0.5 s quorum
+    wait would otherwise heal a round later and end its last sync in a round of its own."""
     forged_key = state_key(2)
     forged = {"w": {"w": torch.full((4,), 1e6)}, "torchft": {"step": 3, "batches_committed": 6, "round": 2}}
     _attacker(memory_uri).put_create(forged_key, b"".join(dumps_state(forged, forged_key, WRONG)))
@@ -362,8 +364,12 @@ def test_forged_state_at_heal_time_falls_back_and_catches_up(memory_uri: str) ->
         manager.register_state_dict_fn("w", load, lambda: {"w": w["w"].clone()})
         return manager
 
-    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int) -> bool:
+    gate = threading.Barrier(2)
+
+    def sync(manager: MockManager, w: dict[str, torch.Tensor], rank: int, gated: bool = False) -> bool:
         manager.start_quorum()
+        if gated:
+            gate.wait(60)
         delta = torch.full((4,), float(rank + 1 + manager.current_step()))
         assert manager.allreduce(delta).wait() in (True, False)
         ok = manager.should_commit()
@@ -379,7 +385,7 @@ def test_forged_state_at_heal_time_falls_back_and_catches_up(memory_uri: str) ->
         rank0_done_round2.set()
         assert rank1_healed.wait(60)
         for _ in range(3):  # rounds 3, 4, 5
-            assert sync(manager, w, 0)
+            assert sync(manager, w, 0, gated=True)
         manager.shutdown()
         finals[0] = w["w"]
 
@@ -395,7 +401,7 @@ def test_forged_state_at_heal_time_falls_back_and_catches_up(memory_uri: str) ->
         rank1_healed.set()
         assert manager._stale
         for _ in range(3):
-            sync(manager, w, 1)
+            sync(manager, w, 1, gated=True)
         finals[1] = w["w"]
 
     threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
