@@ -33,11 +33,11 @@ from crf_diloco import (
     RoundDesyncError,
 )
 from crf_diloco.auth import Authenticator
-from crf_diloco.checkpoint import PartRef, dumps_state, loads_state
+from crf_diloco.checkpoint import dumps_state, referenced_parts
 from crf_diloco.layout import RoundKeys, part_key, state_key
 from crf_diloco.records import DecisionRecord, MemberRecord, PayloadSpec, QuorumRecord, VoteRecord
 from crf_diloco.store import ObjectStore
-from crf_diloco.wire import ShardPlan, encode_payload, encode_reduced
+from crf_diloco.wire import ShardPlan, encode_payload, encode_reduced, read_header
 
 SECRET = "0123456789abcdef" * 4
 WRONG = Authenticator("attacker-guess-0123456789abcdef" * 2, "default")  # an attacker's guess at the secret
@@ -133,10 +133,8 @@ def _attacker(uri: str, storage_options: dict[str, Any] | None = None) -> Object
 
 def _state_bytes(store: ObjectStore, round_id: int) -> int:
     """Bytes of round ``round_id``'s state as stored: its manifest and every part it refers to."""
-    manifest = store.get(state_key(round_id))
-    state = loads_state(manifest, state_key(round_id), Authenticator(SECRET, "default"))
-    digests = {v.digest for v in state.values() if isinstance(v, PartRef)}
-    return len(manifest) + sum(len(store.get(part_key(d))) for d in digests)
+    digests = referenced_parts(read_header(store, state_key(round_id), Authenticator(SECRET, "default")))
+    return len(store.get(state_key(round_id))) + sum(len(store.get(part_key(d))) for d in digests)
 
 
 def _checkpoint_objects_bytes(store: ObjectStore) -> int:

@@ -16,9 +16,9 @@ from crf_diloco.checkpoint import (
     Packed,
     PartRef,
     dumps_state,
-    loads_state,
     pack_state,
     part_digest,
+    referenced_parts,
     seal_packed,
     split_state,
 )
@@ -26,6 +26,7 @@ from crf_diloco.errors import CorruptObjectError
 from crf_diloco.layout import part_key, state_key
 from crf_diloco.snapshots import StateSnapshots
 from crf_diloco.store import ObjectStore
+from crf_diloco.wire import read_header
 
 SECRET = "snapshot-secret-0123456789abcdefgh"
 AUTH = Authenticator(SECRET, "run")
@@ -152,8 +153,7 @@ def test_collection_deletes_a_part_with_the_last_manifest_that_refers_to_it(memo
 
 
 def _manifest_refs(store: ObjectStore, round_id: int) -> list[str]:
-    state = loads_state(store.get(state_key(round_id)), state_key(round_id), AUTH)
-    return [v.digest for v in state.values() if isinstance(v, PartRef)]
+    return sorted(referenced_parts(read_header(store, state_key(round_id), AUTH)))
 
 
 def _plant_manifest(store: ObjectStore, round_id: int, state: dict[str, Any], auth: Authenticator = AUTH) -> None:

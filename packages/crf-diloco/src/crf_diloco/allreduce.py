@@ -235,8 +235,9 @@ class ObjectStoreAllReduce:
         return self._peer.pool
 
     def snapshots(self) -> StateSnapshots:
-        """The run's global state snapshots (``state/r{round}.safetensors`` and their parts), authenticated with its secret; what
-        `MockManager` writes after a commit and a replica that is behind heals from (:mod:`crf_diloco.healing`)."""
+        """The run's global state snapshots (``state/r{round}.safetensors`` and their parts), authenticated with its
+        secret; what `MockManager` writes after a commit and a replica that is behind heals from
+        (:mod:`crf_diloco.healing`)."""
         if self._snapshots is None:
             self._snapshots = StateSnapshots(self.store, self.auth)
         return self._snapshots

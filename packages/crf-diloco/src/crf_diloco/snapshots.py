@@ -166,16 +166,14 @@ class StateSnapshots:
         """Keep the ``keep`` newest authentic states up to ``round_id`` and delete the authentic ones before them,
         with the parts no remaining authentic manifest refers to. Only manifests whose header authenticates are
         counted or deleted, none after ``round_id``: junk named like a state (``state/r99999999.safetensors``) is
-        neither kept in place of a real checkpoint nor deleted."""
+        neither kept in place of a real checkpoint nor deleted. Manifests after ``round_id`` are not read: a part they
+        share with a dropped manifest did not change in between, so ``round_id``'s manifest names it too."""
         kept = 0
         dropped: set[str] = set()
         remaining: set[str] = set()
-        for r in sorted(self.listed(), reverse=True):
+        for r in sorted((r for r in self.listed() if r <= round_id), reverse=True):
             refs = self._refs(r)
             if refs is None:
-                continue
-            if r > round_id:
-                remaining |= refs
                 continue
             kept += 1
             if kept > self.keep:
