@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -26,7 +29,7 @@ from crf_diloco.errors import CorruptObjectError
 from crf_diloco.layout import part_key, state_key
 from crf_diloco.snapshots import StateSnapshots
 from crf_diloco.store import ObjectStore
-from crf_diloco.wire import read_header
+from crf_diloco.wire import READ_WINDOW, read_header
 
 SECRET = "snapshot-secret-0123456789abcdefgh"
 AUTH = Authenticator(SECRET, "run")
@@ -64,9 +67,21 @@ def _equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _snapshots(uri: str, keep: int = 3) -> tuple[StateSnapshots, ObjectStore]:
+def _snapshots(uri: str, keep: int = 3, **kwargs: Any) -> tuple[StateSnapshots, ObjectStore]:
     store = ObjectStore(uri)
-    return StateSnapshots(store, AUTH, keep=keep), store
+    return StateSnapshots(store, AUTH, keep=keep, **kwargs), store
+
+
+class _Batches:
+    """A ``run`` for `StateSnapshots` that runs each batch of reads at once on threads and records its size."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self._pool = ThreadPoolExecutor(READ_WINDOW)
+
+    def __call__(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        self.sizes.append(len(calls))
+        return [f.result() for f in [self._pool.submit(call) for call in calls]]
 
 
 def test_a_checkpoint_after_one_fragment_synced_writes_that_fragment_and_a_manifest(memory_uri: str) -> None:
@@ -325,3 +340,88 @@ def test_incremental_checkpoints_and_their_collection_on_s3(moto_s3: dict[str, A
     assert len(store.list_names("state/parts")) == 3, "fragment 0, fragment 1 of round 2, the junk"
     assert _equal(snapshots.read(2), _state(2, (1, 12)))
     assert snapshots.bytes[0] < 4 * len(b"".join(dumps_state({"f": _fragment(1)}, "k", AUTH))) + 3 * 2048
+
+
+def test_over_a_network_a_state_of_four_parts_reads_in_two_round_trips(remote: Any) -> None:
+    """A healing replica on a remote store (``crfremote://``) reads the manifest, then all four fragment parts at
+    once, each in one ranged read of its header and data: 5 requests in 2 round trips (a part per round trip
+    before). The part reads are proven in flight together: each waits inside the store for the other three."""
+    batches = _Batches()
+    snapshots, store = _snapshots("crfremote://heal", run=batches)
+    state = _state(0, (1, 2, 3, 4))
+    assert snapshots.write(0, state)
+    together = threading.Barrier(4, timeout=30)
+
+    def meet(start: int | None, end: int | None, key: str, answer: bytes) -> None:
+        if "/parts/" in key:
+            together.wait()
+
+    remote.hooks.append(meet)
+    before, batches.sizes = store.traffic(), []
+    assert _equal(snapshots.read(0), state)
+    done = store.traffic() - before
+    assert (done.requests, done.round_trips) == (5, 2)
+    assert batches.sizes == [4, 4], "the parts' reads at once, then their checks at once"
+
+
+def test_large_parts_come_in_ranged_reads_of_read_chunk_bytes_a_window_at_a_time(memory_uri: str) -> None:
+    """With ``read_chunk`` far below a part's size the rest of each part after its header comes in reads of at most
+    ``read_chunk`` bytes, across parts, in batches of at most `READ_WINDOW`; the state reads back bit-identical."""
+    batches = _Batches()
+    snapshots, store = _snapshots(memory_uri, run=batches, read_chunk=1000)
+    state = _state(0, (1, 2, 3))
+    assert snapshots.write(0, state)
+    before = store.traffic()
+    assert _equal(snapshots.read(0), state)
+    requests = (store.traffic() - before).requests
+    sizes = [len(store.get(part_key(d))) for d in _manifest_refs(store, 0)]
+    heads = [len(read_header(store, part_key(d), AUTH).head) for d in _manifest_refs(store, 0)]
+    reads = sum(-(-(size - min(head, size)) // 1000) for size, head in zip(sizes, heads, strict=True))
+    assert reads > 2 * READ_WINDOW
+    assert batches.sizes[0] == 3, "the parts' headers, at once"
+    windows = [READ_WINDOW] * (reads // READ_WINDOW) + [reads % READ_WINDOW] * (reads % READ_WINDOW > 0)
+    assert batches.sizes[1:] == [*windows, 3], "then the rest in windows, then the three parts' checks"
+    assert requests == 1 + 3 + reads
+
+
+def _reseal(blob: bytes, key: str, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    """``blob`` with its header JSON changed by ``edit`` and MAC'd again with the run's secret (a hostile writer
+    that holds it)."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    edit(header)
+    header["__metadata__"]["mac"] = "0" * 64
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    mac = AUTH.mac_hex("object", key, raw).encode()
+    raw = raw.replace(b"0" * 64, mac, 1)
+    return struct.pack("<Q", len(raw)) + raw + blob[8 + n :]
+
+
+def test_a_part_whose_header_claims_a_terabyte_is_refused_after_one_window(memory_uri: str) -> None:
+    """A writer with the secret seals a part header that claims a 1 TiB tensor over an object of a few KB: the reader
+    neither allocates the claim nor reads on: the first window of ranged reads comes back short and the state is
+    `CorruptObjectError` (truncated), after at most `READ_WINDOW` reads."""
+    snapshots, store = _snapshots(memory_uri, read_chunk=4096)
+    assert snapshots.write(0, _state(0, (1,)))
+    key = part_key(_manifest_refs(store, 0)[0])
+    real = store.get(key)
+
+    def claim(header: dict[str, Any]) -> None:
+        last = max((v for k, v in header.items() if k != "__metadata__"), key=lambda v: v["data_offsets"][0])
+        start = last["data_offsets"][0]
+        last["shape"] = [1 << 38]
+        last["data_offsets"] = [start, start + (4 << 38)]
+
+    store.remove(key)
+    store.put_create(key, _reseal(real, key, claim))
+    before = store.traffic()
+    with pytest.raises(CorruptObjectError, match=f"{key}: truncated object"):
+        snapshots.read(0)
+    assert (store.traffic() - before).requests <= 2 + READ_WINDOW
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "8MB"])
+def test_a_read_chunk_that_is_not_a_positive_int_is_refused(memory_uri: str, bad: Any) -> None:
+    with pytest.raises(ValueError, match="read_chunk must be an int >= 1"):
+        StateSnapshots(ObjectStore(memory_uri), AUTH, read_chunk=bad)

@@ -8,7 +8,10 @@ direction of each connection is a delay line with pacing:
   a new connection by ``connect_rtts × rtt`` more (the TCP handshake a real connection pays);
 * bandwidth is a virtual-clock pacer per connection (``per_connection``), per link (``per_link``: the replica's own
   line, both directions together) and over all links (``total``): a chunk of ``n`` bytes starts when every pacer it
-  crosses is free and occupies each for ``n / rate`` seconds, so no pacer ever carries more than its rate.
+  crosses is free and occupies each for ``n / rate`` seconds, so no pacer ever carries more than its rate. A chunk is
+  booked at most ``AHEAD`` (10 ms) before that time, so connections that share a link take turns (one that read
+  megabytes ahead from its upstream does not hold the link until they are sent, which would let a per-connection
+  cap idle the link).
 
 Deterministic: delays follow from arrival times and sizes only (no randomness). Bounded: at most ``buffer`` bytes
 queue per direction (the sender waits beyond that) and ``lifetime`` seconds after `start` the proxy closes every
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 __all__ = ["LinkStats", "WanLink", "WanProxy"]
 
 CHUNK = 64 * 1024
+#: how far ahead of now a chunk may be booked on its pacers (connections sharing a link interleave at this grain)
+AHEAD = 0.010
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,10 @@ class WanProxy:
                 if not data:
                     break
                 n = len(data)
-                start = max(time.monotonic(), opened, conn.free, link.free, self._total.free)
+                while (start := max(time.monotonic(), opened, conn.free, link.free, self._total.free)) > (
+                    ahead := time.monotonic() + AHEAD
+                ):
+                    await asyncio.sleep(start - ahead)  # no connection books a pacer more than AHEAD in advance
                 done = max(conn.book(start, n), link.book(start, n), self._total.book(start, n))
                 out.queue.append((done + self.link.rtt / 2, data))
                 out.queued += n

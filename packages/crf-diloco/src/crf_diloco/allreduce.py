@@ -239,7 +239,7 @@ class ObjectStoreAllReduce:
         secret; what `MockManager` writes after a commit and a replica that is behind heals from
         (:mod:`crf_diloco.healing`)."""
         if self._snapshots is None:
-            self._snapshots = StateSnapshots(self.store, self.auth)
+            self._snapshots = StateSnapshots(self.store, self.auth, run=self._peer.concurrently)
         return self._snapshots
 
     @property

@@ -15,9 +15,11 @@ manifest that refers to it.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from crf_diloco.auth import Authenticator
@@ -34,7 +36,7 @@ from crf_diloco.checkpoint import (
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.layout import parse_state_key, part_key, state_key
 from crf_diloco.store import ObjectStore
-from crf_diloco.wire import read_header
+from crf_diloco.wire import HEADER_PROBE, READ_CHUNK, Header, RunAll, read_header, read_objects, run_all
 
 __all__ = ["KEEP_STATES", "FrozenState", "StateSnapshots"]
 
@@ -59,14 +61,30 @@ class StateSnapshots:
         store: the run's prefix.
         auth: MACs keyed with the run's secret (a state that fails them is corrupt, never loaded).
         keep: authentic states to keep (the newest ``keep`` up to the one just written).
+        run: runs reads at once (`crf_diloco.rounds.peer.Peer.concurrently`); ``None``: one after the other. A
+            state's parts are then read together (`crf_diloco.wire.read_objects`): over a network a heal costs
+            about three round trips and the parts' bytes over several connections, not a round trip per part.
+        read_chunk: the most bytes one ranged read of a part asks for.
     """
 
-    def __init__(self, store: ObjectStore, auth: Authenticator, *, keep: int = KEEP_STATES) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        auth: Authenticator,
+        *,
+        keep: int = KEEP_STATES,
+        run: RunAll | None = None,
+        read_chunk: int = READ_CHUNK,
+    ) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (states kept in the store), got {keep!r}")
+        if not isinstance(read_chunk, int) or isinstance(read_chunk, bool) or read_chunk < 1:
+            raise ValueError(f"read_chunk must be an int >= 1 (bytes per ranged read), got {read_chunk!r}")
         self._store = store
         self._auth = auth
         self.keep = keep
+        self._run = run
+        self._chunk = read_chunk
         self._counted = threading.Lock()
         self._written = 0
         self._read = 0
@@ -122,29 +140,39 @@ class StateSnapshots:
 
     def read(self, round_id: int) -> dict[str, Any] | None:
         """The authentic state of ``round_id`` (``None`` if it has no manifest); `CorruptObjectError` if the manifest
-        or a part is not authentic, malformed, missing, or not the content its name says."""
+        or a part is not authentic, malformed, missing, or not the content its name says.
+
+        Three waves of requests: the manifest, every part's header (over a network with its first ``read_chunk``
+        bytes, all of a small part), then the rest of every part in ranged reads at once; the parts are then
+        verified at once too (hashing releases the GIL)."""
         key = state_key(round_id)
         blob = self._store.try_get(key)
         if blob is None:
             return None
         self._count(read=len(blob))
         state = loads_state(blob, key, self._auth)
-        loaded: dict[str, dict[str, Any]] = {}
-        for name, value in state.items():
-            if not isinstance(value, PartRef):
-                continue
-            if value.digest not in loaded:
-                loaded[value.digest] = self._read_part(key, value.digest)
-            if name not in loaded[value.digest]:
-                raise CorruptObjectError(f"{key}: part {value.digest} has no entry {name!r}")
-            state[name] = loaded[value.digest][name]
+        refs = {name: value.digest for name, value in state.items() if isinstance(value, PartRef)}
+        digests = list(dict.fromkeys(refs.values()))
+        probe = max(HEADER_PROBE, self._chunk) if self._store.remote else HEADER_PROBE
+        headers = run_all([partial(self._part_header, key, d, probe) for d in digests], self._run)
+        blobs = read_objects(self._store, headers, self._run, self._chunk)
+        checked = run_all([partial(self._check_part, d, b) for d, b in zip(digests, blobs, strict=True)], self._run)
+        loaded = dict(zip(digests, checked, strict=True))
+        for name, digest in refs.items():
+            if name not in loaded[digest]:
+                raise CorruptObjectError(f"{key}: part {digest} has no entry {name!r}")
+            state[name] = loaded[digest][name]
         return state
 
-    def _read_part(self, manifest: str, digest: str) -> dict[str, Any]:
+    def _part_header(self, manifest: str, digest: str, probe: int) -> Header:
         key = part_key(digest)
-        blob = self._store.try_get(key)
-        if blob is None:
-            raise CorruptObjectError(f"{manifest}: its part {key} is missing (collected or never written)")
+        try:
+            return read_header(self._store, key, self._auth, probe)
+        except FileNotFoundError:
+            raise CorruptObjectError(f"{manifest}: its part {key} is missing (collected or never written)") from None
+
+    def _check_part(self, digest: str, blob: builtins.bytes) -> dict[str, Any]:  # `bytes` is a property here
+        key = part_key(digest)
         self._count(read=len(blob))
         part = loads_state(blob, key, self._auth)
         if part_digest(pack_state(part), self._auth) != digest or any(isinstance(v, PartRef) for v in part.values()):
@@ -171,8 +199,8 @@ class StateSnapshots:
         kept = 0
         dropped: set[str] = set()
         remaining: set[str] = set()
-        for r in sorted((r for r in self.listed() if r <= round_id), reverse=True):
-            refs = self._refs(r)
+        rounds = sorted((r for r in self.listed() if r <= round_id), reverse=True)
+        for r, refs in zip(rounds, run_all([partial(self._refs, r) for r in rounds], self._run), strict=True):
             if refs is None:
                 continue
             kept += 1

@@ -1,0 +1,152 @@
+"""Healing over a simulated WAN: how long a replica takes to read the run's global state, against its floor.
+
+What is measured
+    A state like Streaming DiLoCo's (``--fragments`` entries, each an outer momentum and the global parameters of
+    ``--numel`` fp32 elements, so one part of ``8 × numel`` bytes per fragment, and the manager's small entry) is
+    written once to moto's S3 server (``StateSnapshots``, as `MockManager` checkpoints it). A replica process then
+    reads it back through the WAN proxy of ``benchmarks/allreduce_wan.py`` (``--rtt``, ``--link``,
+    ``--per-connection``), ``--repeats`` times each way, in alternation:
+
+    * ``concurrent``: what `MockManager` heals with (``ObjectStoreAllReduce.snapshots()``): the manifest, then every
+      part's header with its first chunk at once, then the rest in ranged reads of 8 MiB, 16 at a time;
+    * ``one by one``: the same class with ``run=None`` and one read per part (``read_chunk`` of 1 TiB): the parts
+      one after the other, each in one request, the requests every heal sent before reads went out together.
+
+    ``floor = bytes read / link + 2 × rtt`` (the manifest must be read before the parts it names); ``ratio = time /
+    floor``; ``speedup = one by one / concurrent``, medians of the same run.
+
+Run: ``python benchmarks/diloco_heal.py`` (``--per-connection 10MB/s``: a link that one connection cannot fill, as
+S3 from another cloud often is). The load average is printed at the start and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from allreduce_wan import SECRET, TEST_SUPPORT, _cap, _proxy_process
+
+from crf_diloco.link import parse_rate, parse_seconds
+
+
+def _fragment(g: Any, numel: int) -> dict[str, Any]:
+    """One Streaming DiLoCo fragment's state: outer SGD momentum and the global parameters."""
+    import torch
+
+    group = {"lr": 0.7, "momentum": 0.9, "nesterov": True, "params": [0]}
+    return {
+        "outer_optimizer": {
+            "state": {0: {"momentum_buffer": torch.randn(numel, generator=g)}},
+            "param_groups": [group],
+        },
+        "original_parameters": {"weight": torch.randn(numel, generator=g)},
+    }
+
+
+def _state(fragments: int, numel: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, Any] = {f"StreamingDiLoCoFragment_{i}": _fragment(g, numel) for i in range(fragments)}
+    state["torchft"] = {"round": 0, "step": 1, "batches_committed": 2}
+    return state
+
+
+def _weights(state: dict[str, Any] | None) -> list[Any]:
+    if state is None:
+        raise RuntimeError("the state was not found")
+    return [v["original_parameters"]["weight"] for k, v in state.items() if k != "torchft"]
+
+
+def _reader(job: dict[str, Any], out: Any) -> None:
+    import torch
+
+    from crf_diloco import ObjectStoreAllReduce
+    from crf_diloco.snapshots import StateSnapshots
+
+    torch.set_num_threads(1)
+    writer = ObjectStoreAllReduce(job["uri"], 0, 1, run_id=job["run_id"], secret=SECRET, storage_options=job["direct"])
+    state = _state(job["fragments"], job["numel"])
+    writer.snapshots().write(0, state)
+    writer.close()
+    ar = ObjectStoreAllReduce(job["uri"], 0, 1, run_id=job["run_id"], secret=SECRET, storage_options=job["proxied"])
+    ways = {"concurrent": ar.snapshots(), "one by one": StateSnapshots(ar.store, ar.auth, read_chunk=1 << 40)}
+    for _ in range(job["repeats"]):
+        for name, snapshots in ways.items():
+            before = ar.store.traffic()
+            start = time.perf_counter()
+            got = snapshots.read(0)
+            elapsed = time.perf_counter() - start
+            done = ar.store.traffic() - before
+            if not all(map(torch.equal, _weights(got), _weights(state))):
+                raise RuntimeError(f"{name}: the state read back differs from the one written")
+            out.put((name, elapsed, done.bytes_read, done.requests, done.busy_round_trips))
+    ar.close()
+    out.put(None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--fragments", type=int, default=4, help="fragments (parts) of the state")
+    parser.add_argument("--numel", type=int, default=2_000_000, help="fp32 elements of each fragment's parameters")
+    parser.add_argument("--repeats", type=int, default=5, help="reads each way (in alternation)")
+    parser.add_argument("--rtt", type=parse_seconds, default=0.040)
+    parser.add_argument("--link", type=parse_rate, default=50e6, help="bytes/s of the replica's link")
+    parser.add_argument("--per-connection", type=_cap, default=None, help="bytes/s one connection carries")
+    args = parser.parse_args(argv)
+    if args.fragments < 1 or args.numel < 1 or args.repeats < 1:
+        parser.error("--fragments, --numel and --repeats must be >= 1")
+    sys.path.insert(0, str(TEST_SUPPORT))
+    from s3_server import moto_s3_server
+
+    load_start = os.getloadavg()
+    ctx = mp.get_context("spawn")
+    link = {"rtt": args.rtt, "per_link": args.link, "per_connection": args.per_connection, "connect_rtts": 0.0}
+    results: dict[str, list[tuple[float, int, int, int]]] = {}
+    with moto_s3_server("crf-diloco-heal") as s3:
+        parent, child = ctx.Pipe()
+        proxy = ctx.Process(target=_proxy_process, args=(s3.port, 1, link, 3600.0, child))
+        proxy.start()
+        try:
+            (port,) = parent.recv()
+            job = {"uri": f"s3://{s3.bucket}/heal", "run_id": "heal", "fragments": args.fragments,
+                   "numel": args.numel, "repeats": args.repeats, "direct": s3.storage_options(),
+                   "proxied": s3.storage_options(f"http://127.0.0.1:{port}")}  # fmt: skip
+            out = ctx.Queue()
+            reader = ctx.Process(target=_reader, args=(job, out))
+            reader.start()
+            while (item := out.get(timeout=1800)) is not None:
+                name, *figures = item
+                results.setdefault(name, []).append(tuple(figures))
+            reader.join(60)
+            if reader.exitcode != 0:
+                raise RuntimeError(f"the reader exited with {reader.exitcode}")
+        finally:
+            parent.send("stop")
+            proxy.join(30)
+            if proxy.is_alive():
+                proxy.kill()
+    print(f"Healing over a simulated WAN: moto S3 behind a proxy, rtt {args.rtt * 1000:.0f} ms, link "
+          f"{args.link:.3g} B/s, per connection {args.per_connection or 0:.3g} B/s (0: no cap); {args.fragments} "
+          f"parts of {8 * args.numel / 1e6:.1f} MB; median of {args.repeats} reads each way; {os.cpu_count()} CPUs, "
+          f"load average {' '.join(f'{v:.2f}' for v in load_start)} at the start, "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end")  # fmt: skip
+    print(f"{'read':<11} {'MB':>7} {'requests':>8} {'round trips':>11} {'time s':>7} {'floor s':>7} {'ratio':>6}")
+    medians = {}
+    for name, rows in results.items():
+        elapsed = statistics.median(r[0] for r in rows)
+        nbytes, requests, trips = rows[-1][1:]
+        floor = nbytes / args.link + 2 * args.rtt
+        medians[name] = elapsed
+        print(f"{name:<11} {nbytes / 1e6:>7.1f} {requests:>8} {trips:>11} {elapsed:>7.3f} {floor:>7.3f} "
+              f"{elapsed / floor:>6.2f}")  # fmt: skip
+    print(f"speedup (one by one / concurrent): {medians['one by one'] / medians['concurrent']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
