@@ -10,10 +10,13 @@ What is measured
     * ``concurrent``: what `MockManager` heals with (``ObjectStoreAllReduce.snapshots()``): the manifest, then every
       part's header with its first chunk at once, then the rest in ranged reads of 8 MiB, 16 at a time;
     * ``one by one``: the same class with ``run=None`` and one read per part (``read_chunk`` of 1 TiB): the parts
-      one after the other, each in one request, the requests every heal sent before reads went out together.
+      one after the other, each in one request, the requests every heal sent before reads went out together;
+    * ``one behind``: ``concurrent`` by a replica that holds every part but fragment 0's (it missed that fragment's
+      sync): it hashes its own state (`StateSnapshots.local_parts`, as `MockManager` does for a replica that was in
+      step before) and fetches the manifest and that one part.
 
-    ``floor = bytes read / link + 2 × rtt`` (the manifest must be read before the parts it names); ``ratio = time /
-    floor``; ``speedup = one by one / concurrent``, medians of the same run.
+    ``floor = bytes read / link + 2 × rtt`` (the manifest must be read before the parts it names; for ``one behind``
+    its own bytes); ``ratio = time / floor``; ``speedup = one by one / concurrent``, medians of the same run.
 
 Run: ``python benchmarks/diloco_heal.py`` (``--per-connection 10MB/s``: a link that one connection cannot fill, as
 S3 from another cloud often is). The load average is printed at the start and the end.
@@ -27,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from allreduce_wan import SECRET, TEST_SUPPORT, _cap, _proxy_process
@@ -75,12 +79,19 @@ def _reader(job: dict[str, Any], out: Any) -> None:
     writer.snapshots().write(0, state)
     writer.close()
     ar = ObjectStoreAllReduce(job["uri"], 0, 1, run_id=job["run_id"], secret=SECRET, storage_options=job["proxied"])
-    ways = {"concurrent": ar.snapshots(), "one by one": StateSnapshots(ar.store, ar.auth, read_chunk=1 << 40)}
+    snapshots, one_by_one = ar.snapshots(), StateSnapshots(ar.store, ar.auth, read_chunk=1 << 40)
+    own = {k: v for k, v in _state(job["fragments"], job["numel"]).items() if k != "torchft"}
+    own["StreamingDiLoCoFragment_0"]["original_parameters"]["weight"].add_(1.0)  # synced without this replica
+    ways: dict[str, Callable[[], dict[str, Any] | None]] = {
+        "concurrent": lambda: snapshots.read(0),
+        "one by one": lambda: one_by_one.read(0),
+        "one behind": lambda: snapshots.read(0, lambda: snapshots.local_parts(own)),
+    }
     for _ in range(job["repeats"]):
-        for name, snapshots in ways.items():
+        for name, read in ways.items():
             before = ar.store.traffic()
             start = time.perf_counter()
-            got = snapshots.read(0)
+            got = read()
             elapsed = time.perf_counter() - start
             done = ar.store.traffic() - before
             if not all(map(torch.equal, _weights(got), _weights(state))):
@@ -145,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         medians[name] = elapsed
         print(f"{name:<11} {nbytes / 1e6:>7.1f} {requests:>8} {trips:>11} {elapsed:>7.3f} {floor:>7.3f} "
               f"{elapsed / floor:>6.2f}")  # fmt: skip
-    print(f"speedup (one by one / concurrent): {medians['one by one'] / medians['concurrent']:.2f}x")
+    print(f"speedup (one by one / concurrent): {medians['one by one'] / medians['concurrent']:.2f}x; one behind / "
+          f"one by one: {medians['one behind'] / medians['one by one']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -223,10 +223,17 @@ class DictFileSystem(AbstractFileSystem):
         with self.lock:
             return sorted({prefix + k[len(prefix) :].split("/")[0] for k in self.objects if k.startswith(prefix)})
 
-    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
-        key = self._strip_protocol(path)
+    def find(self, path: str, *args: Any, **kwargs: Any) -> list[str]:
+        """Every object under ``path`` (one recursive listing, as S3's)."""
+        prefix = self._strip_protocol(path) + "/"
         with self.lock:
-            for k in [k for k in self.objects if k == key or k.startswith(key + "/")]:
+            return sorted(k for k in self.objects if k.startswith(prefix))
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        """Delete each path (one or a list, as fsspec's ``rm`` takes them) and everything under it."""
+        keys = [self._strip_protocol(p) for p in (path if isinstance(path, list) else [path])]
+        with self.lock:
+            for k in [k for k in self.objects if any(k == key or k.startswith(key + "/") for key in keys)]:
                 del self.objects[k]
 
 

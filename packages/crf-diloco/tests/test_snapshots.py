@@ -29,7 +29,7 @@ from crf_diloco.errors import CorruptObjectError
 from crf_diloco.layout import part_key, state_key
 from crf_diloco.snapshots import StateSnapshots
 from crf_diloco.store import ObjectStore
-from crf_diloco.wire import READ_WINDOW, read_header
+from crf_diloco.wire import READ_MIN, READ_WINDOW, read_header
 
 SECRET = "snapshot-secret-0123456789abcdefgh"
 AUTH = Authenticator(SECRET, "run")
@@ -425,3 +425,153 @@ def test_a_part_whose_header_claims_a_terabyte_is_refused_after_one_window(memor
 def test_a_read_chunk_that_is_not_a_positive_int_is_refused(memory_uri: str, bad: Any) -> None:
     with pytest.raises(ValueError, match="read_chunk must be an int >= 1"):
         StateSnapshots(ObjectStore(memory_uri), AUTH, read_chunk=bad)
+
+
+def test_a_reader_takes_the_parts_it_holds_from_itself_on_a_remote_store(remote: Any) -> None:
+    """A replica one sync behind holds every fragment but the synced one: reading round 1 with its own parts
+    (`StateSnapshots.local_parts`) fetches the manifest and that one part only, returns the written state bit for
+    bit, and the parts it took from itself are copies (changing its tensors afterwards changes nothing). A local
+    part that differs in one element is fetched."""
+    snapshots, store = _snapshots("crfremote://reuse")
+    snapshots.write(1, _state(1, (1, 20, 3)))
+    behind = {k: v for k, v in _state(0, (1, 2, 3)).items() if k != "torchft"}
+    before = snapshots.bytes[1]
+    got = snapshots.read(1, lambda: snapshots.local_parts(behind))
+    changed = next(
+        d
+        for d in _manifest_refs(store, 1)
+        if part_digest(pack_state({"StreamingDiLoCoFragment_1": _fragment(20)}), AUTH) == d
+    )
+    assert snapshots.bytes[1] - before == len(store.get(state_key(1))) + len(store.get(part_key(changed)))
+    assert _equal(got, _state(1, (1, 20, 3)))
+    behind["StreamingDiLoCoFragment_0"]["original_parameters"]["weight"].add_(1.0)
+    assert _equal(got, _state(1, (1, 20, 3))), "its own parts were copied"
+    before = snapshots.bytes[1]
+    assert _equal(snapshots.read(1, lambda: snapshots.local_parts(behind)), _state(1, (1, 20, 3)))
+    assert snapshots.bytes[1] - before > 2 * len(store.get(part_key(changed))), "fragment 0 differs now: fetched"
+
+
+def test_on_a_local_store_a_reader_fetches_every_part(memory_uri: str) -> None:
+    """Reading from a local or in-memory store costs less than hashing one's own state: ``have`` is not called."""
+    snapshots, _ = _snapshots(memory_uri)
+    snapshots.write(0, _state(0, (1, 2)))
+
+    def have() -> dict[str, Packed]:
+        raise AssertionError("hashed its own state for a local read")
+
+    assert _equal(snapshots.read(0, have), _state(0, (1, 2)))
+
+
+def test_a_replica_left_behind_heals_fetching_only_the_fragments_synced_without_it(remote: Any) -> None:
+    """Streaming DiLoCo's pattern on a remote store (``crfremote://``): committed round r changes ``f{r % 5}``. Rank
+    1 takes part in rounds 0..4, then stalls while rank 0 commits rounds 5..7 alone (round 5 collected:
+    ``keep_rounds=1``). Resumed, its sync fails and its next ``start_quorum`` heals from round 7, fetching the
+    manifest and the parts of f0, f1 and f2 (rounds 5..7) but not those of f3 and f4, which it holds (rounds 3 and
+    4); it observes round 8, takes part in round 9, and both replicas end bit-identical."""
+    names = [f"f{i}" for i in range(5)]
+    uri = "crfremote://left-behind"
+    resumed, healed = threading.Event(), threading.Event()
+    finals: dict[int, dict[str, torch.Tensor]] = {}
+    fetched: list[int] = []
+
+    def manager_for(rank: int, frags: dict[str, torch.Tensor]) -> MockManager:
+        ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5, poll_interval=0.01,
+                                  keep_rounds=1)  # fmt: skip
+        manager = MockManager(ar, heal_timeout=20)
+        for name in names:
+            manager.register_state_dict_fn(
+                name, lambda s, n=name: frags.update({n: s["w"].clone()}), lambda n=name: {"w": frags[n].clone()}
+            )
+        return manager
+
+    def sync(manager: MockManager, frags: dict[str, torch.Tensor], rank: int, gate: threading.Barrier | None) -> bool:
+        manager.start_quorum()
+        if gate is not None:
+            gate.wait(60)
+        step = manager.current_step()
+        delta = torch.full((16,), float(rank + 1 + step))
+        manager.allreduce(delta).wait()
+        ok = manager.should_commit()
+        if ok:
+            frags[f"f{step % 5}"] = frags[f"f{step % 5}"] + delta
+        return ok
+
+    gate = threading.Barrier(2)
+
+    def rank0() -> None:
+        frags = {n: torch.zeros(16) for n in names}
+        manager = manager_for(0, frags)
+        for i in range(8):  # rounds 0..4 with rank 1, 5..7 alone
+            assert sync(manager, frags, 0, gate if i < 5 else None)
+        manager.shutdown()  # round 7's state
+        time.sleep(0.5)  # the background collection of round 5
+        resumed.set()
+        assert healed.wait(60)
+        for _ in range(2):
+            assert sync(manager, frags, 0, gate)
+        manager.shutdown()
+        finals[0] = frags
+
+    def rank1() -> None:
+        frags = {n: torch.zeros(16) for n in names}
+        manager = manager_for(1, frags)
+        for _ in range(5):
+            assert sync(manager, frags, 1, gate)
+        assert resumed.wait(60)
+        assert not sync(manager, frags, 1, None), "round 5 was decided and collected without it"
+        before = manager.checkpoint_bytes[1]
+        manager.start_quorum()  # heals from round 7
+        fetched.append(manager.checkpoint_bytes[1] - before)
+        healed.set()
+        assert manager.current_step() == 8
+        committed = [sync(manager, frags, 1, gate) for _ in range(2)]  # observes round 8, takes part in round 9
+        manager.shutdown()
+        assert committed == [True, True]
+        finals[1] = frags
+
+    threads = [threading.Thread(target=fn) for fn in (rank0, rank1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads)
+    assert all(torch.equal(finals[0][n], finals[1][n]) for n in names)
+    store = ObjectStore(f"{uri}/default")
+    refs = referenced_parts(read_header(store, state_key(9), Authenticator(SECRET, "default")))
+    parts = {d: len(store.get(part_key(d))) for d in refs}
+    assert len(parts) == 5
+    part = next(iter(parts.values()))
+    assert all(size == part for size in parts.values()), "five parts of one size"
+    manifest = len(store.get(state_key(9)))
+    assert fetched == [manifest + 3 * part], "the manifest and three of five parts"
+
+
+def test_a_replica_whose_own_state_cannot_be_cut_into_parts_fetches_every_part(
+    remote: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Taking parts from itself only saves transfers: a replica's state that `split_state` refuses (here an object
+    that is no tensor, dict, list or scalar) means no parts of its own, a warning, and a heal that fetches all."""
+    from crf_diloco.healing import _own_parts
+
+    snapshots, _ = _snapshots("crfremote://unsplittable")
+    snapshots.write(0, _state(0, (1, 2)))
+    own = _own_parts(snapshots, lambda: {"StreamingDiLoCoFragment_0": {"w": object()}}, 1)
+    assert own == {}
+    assert "rank 1 fetches every part" in caplog.text
+    assert _equal(snapshots.read(0, lambda: own), _state(0, (1, 2)))
+
+
+def test_over_a_network_one_large_part_is_spread_over_several_reads_at_once(remote: Any) -> None:
+    """A replica one sync behind fetches one 8 MB part: its header read brings the first MiB (`READ_MIN`), and the
+    rest goes out in reads of one MiB at once (a connection often carries less than a link), not in one read."""
+    batches = _Batches()
+    snapshots, store = _snapshots("crfremote://spread", run=batches)
+    state = {"StreamingDiLoCoFragment_0": _fragment(7, width=1024), "torchft": {"round": 0}}
+    assert snapshots.write(0, state)
+    size = len(store.get(part_key(_manifest_refs(store, 0)[0])))
+    before, batches.sizes = store.traffic(), []
+    assert _equal(snapshots.read(0), state)
+    reads = -(-(size - READ_MIN) // READ_MIN)
+    assert 4 <= reads <= READ_WINDOW
+    assert batches.sizes == [reads], "the rest of the part, at once"
+    assert (store.traffic() - before).requests == 1 + 1 + reads

@@ -37,6 +37,7 @@ __all__ = [
     "referenced_parts",
     "seal_packed",
     "split_state",
+    "unpack_state",
 ]
 
 _FORMAT = "crf-diloco-state-3"
@@ -119,6 +120,14 @@ def pack_state(state: dict[str, Any]) -> Packed:
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _pack(state, tensors, "")
     return Packed(skeleton, {name: t.detach().to("cpu").clone().contiguous() for name, t in tensors.items()})
+
+
+def unpack_state(packed: Packed) -> dict[str, Any]:
+    """The dict state that ``packed`` holds, built on its tensors (not copies: `pack_state` made them)."""
+    state = _unpack(packed.skeleton, packed.tensors)
+    if not isinstance(state, dict):
+        raise TypeError("a packed state must be a dict")
+    return state
 
 
 def seal_packed(packed: Packed, key: str, auth: Authenticator) -> Blob:

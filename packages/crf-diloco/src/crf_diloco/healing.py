@@ -8,9 +8,10 @@ a replica behind the store loads at ``start_quorum()``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -20,6 +21,7 @@ from crf_diloco.rounds.round import poll_until
 
 if TYPE_CHECKING:
     from crf_diloco.allreduce import ObjectStoreAllReduce
+    from crf_diloco.checkpoint import Packed
     from crf_diloco.snapshots import StateSnapshots
 
 __all__ = ["MANAGER_KEY", "Heal", "plan_heal"]
@@ -30,10 +32,16 @@ MANAGER_KEY = "torchft"
 _MANAGER_FIELDS = ("round", "step", "batches_committed")
 
 
-def read_manager_state(snapshots: StateSnapshots, round_id: int, registered: Collection[str]) -> dict[str, Any] | None:
+def read_manager_state(
+    snapshots: StateSnapshots,
+    round_id: int,
+    registered: Collection[str],
+    have: Callable[[], Mapping[str, Packed]] | None = None,
+) -> dict[str, Any] | None:
     """The state of ``round_id`` as `MockManager` wrote it (``None`` if absent): `CorruptObjectError` if it is not
-    authentic or its manager record is not round ``round_id``'s, `HealError` if it lacks a ``registered`` state."""
-    state = snapshots.read(round_id)
+    authentic or its manager record is not round ``round_id``'s, `HealError` if it lacks a ``registered`` state.
+    ``have``: the reader's own parts (`StateSnapshots.read`)."""
+    state = snapshots.read(round_id, have)
     if state is None:
         return None
     meta = state.get(MANAGER_KEY)
@@ -74,6 +82,7 @@ def plan_heal(
     registered: Collection[str],
     timeout: float,
     checkpoint_every: int = 1,
+    local: Callable[[], dict[str, Any]] | None = None,
 ) -> Heal | None:
     """What this replica must load to be in step with the store, or ``None`` when it is.
 
@@ -83,6 +92,11 @@ def plan_heal(
     loaded and the replica stays ``stale``; with none, it keeps its own state (or `HealError` if it never had one).
     With ``checkpoint_every`` N > 1 a state less than N rounds after the newest one listed is never written, so
     the replica falls back at once instead of waiting ``timeout`` for it.
+
+    ``local``: this replica's registered states as it would checkpoint them. A replica that was in step before
+    (``last_committed`` set: it fell behind by a sync or a few) still holds the parts that did not change since (in
+    Streaming DiLoCo, every fragment but those synced without it) and fetches only the others from a remote store;
+    a replica that starts afresh hashes nothing.
 
     In step, no request: a replica whose last round (``allreduce.round_id - 1``) is ``last_committed`` is behind
     only if the next round was decided without it, and that round tells it so (`RoundDesyncError` before it writes
@@ -94,6 +108,9 @@ def plan_heal(
         return None
     snapshots = allreduce.snapshots()
     rank = allreduce.rank
+    have = (
+        None if local is None or last_committed is None else functools.cache(lambda: _own_parts(snapshots, local, rank))
+    )
     latest: int | None = None
     frontier = 0
 
@@ -112,7 +129,7 @@ def plan_heal(
                 "load; use MockManager with torchft DiLoCo (it registers its state)"
             )
         try:
-            state = read_manager_state(snapshots, latest, registered)
+            state = read_manager_state(snapshots, latest, registered, have)
         except CorruptObjectError as e:
             logger.warning("rank %d cannot heal from round %d: %s", rank, latest, e)
             return "fall back"
@@ -135,7 +152,17 @@ def plan_heal(
         return found
     if found == "in step" or latest is None:
         return None
-    return _fall_back(snapshots, rank, latest, frontier, last_committed, stale, registered)
+    return _fall_back(snapshots, rank, latest, frontier, last_committed, stale, registered, have)
+
+
+def _own_parts(snapshots: StateSnapshots, local: Callable[[], dict[str, Any]], rank: int) -> Mapping[str, Packed]:
+    """This replica's own parts, or none if its state cannot be cut into parts (then every part is fetched: taking
+    parts from itself only saves transfers, it never decides what is loaded)."""
+    try:
+        return snapshots.local_parts(local())
+    except (TypeError, ValueError, RuntimeError) as e:
+        logger.warning("rank %d fetches every part: its own state could not be cut into parts (%s)", rank, e)
+        return {}
 
 
 def _state_coming(snapshots: StateSnapshots, latest: int, every: int) -> bool:
@@ -156,12 +183,13 @@ def _fall_back(
     last_committed: int | None,
     stale: bool,
     registered: Collection[str],
+    have: Callable[[], Mapping[str, Packed]] | None,
 ) -> Heal:
     """The newest authentic state older than ``latest`` (and newer than this replica's own), or keep its own."""
     own = last_committed if last_committed is not None else -1
     for r in sorted((r for r in snapshots.listed() if own < r < latest), reverse=True):
         try:
-            state = read_manager_state(snapshots, r, registered)
+            state = read_manager_state(snapshots, r, registered, have)
         except CorruptObjectError as e:
             logger.warning("rank %d skips a checkpoint: %s", rank, e)
             continue

@@ -683,6 +683,7 @@ class MockManager:
             registered=set(self._load_fns),
             timeout=self._heal_timeout,
             checkpoint_every=self._checkpoint_every,
+            local=lambda: {key: fn() for key, fn in self._save_fns.items()},
         )
         if heal is None:
             return

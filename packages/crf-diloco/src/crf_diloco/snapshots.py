@@ -18,6 +18,7 @@ from __future__ import annotations
 import builtins
 import copy
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,11 +33,12 @@ from crf_diloco.checkpoint import (
     referenced_parts,
     seal_packed,
     split_state,
+    unpack_state,
 )
 from crf_diloco.errors import CorruptObjectError
 from crf_diloco.layout import parse_state_key, part_key, state_key
 from crf_diloco.store import ObjectStore
-from crf_diloco.wire import HEADER_PROBE, READ_CHUNK, Header, RunAll, read_header, read_objects, run_all
+from crf_diloco.wire import HEADER_PROBE, READ_CHUNK, READ_MIN, Header, RunAll, read_header, read_objects, run_all
 
 __all__ = ["KEEP_STATES", "FrozenState", "StateSnapshots"]
 
@@ -138,13 +140,16 @@ class StateSnapshots:
         """Whether something is stored under the manifest key of ``round_id`` (authentic or not)."""
         return self._store.exists(state_key(round_id))
 
-    def read(self, round_id: int) -> dict[str, Any] | None:
+    def read(self, round_id: int, have: Callable[[], Mapping[str, Packed]] | None = None) -> dict[str, Any] | None:
         """The authentic state of ``round_id`` (``None`` if it has no manifest); `CorruptObjectError` if the manifest
         or a part is not authentic, malformed, missing, or not the content its name says.
 
-        Three waves of requests: the manifest, every part's header (over a network with its first ``read_chunk``
-        bytes, all of a small part), then the rest of every part in ranged reads at once; the parts are then
-        verified at once too (hashing releases the GIL)."""
+        Three waves of requests: the manifest, every part's header (over a network with its first MiB,
+        `crf_diloco.wire.READ_MIN`, or ``read_chunk`` bytes without ``run``: all of a small part), then the rest of
+        every part in ranged reads at once; the parts are then verified at once too (hashing releases the GIL).
+        ``have``: on a remote store, the reader's own parts by digest (`local_parts`, called only if the manifest
+        names parts); a part found there is not read (a digest is a MAC of the content with the run's secret, so
+        equal digests are equal parts)."""
         key = state_key(round_id)
         blob = self._store.try_get(key)
         if blob is None:
@@ -153,16 +158,25 @@ class StateSnapshots:
         state = loads_state(blob, key, self._auth)
         refs = {name: value.digest for name, value in state.items() if isinstance(value, PartRef)}
         digests = list(dict.fromkeys(refs.values()))
-        probe = max(HEADER_PROBE, self._chunk) if self._store.remote else HEADER_PROBE
-        headers = run_all([partial(self._part_header, key, d, probe) for d in digests], self._run)
+        own = have() if have is not None and digests and self._store.remote else {}
+        fetch = [d for d in digests if d not in own]
+        first = self._chunk if self._run is None else min(self._chunk, READ_MIN)  # spread over several reads
+        probe = max(HEADER_PROBE, first) if self._store.remote else HEADER_PROBE
+        headers = run_all([partial(self._part_header, key, d, probe) for d in fetch], self._run)
         blobs = read_objects(self._store, headers, self._run, self._chunk)
-        checked = run_all([partial(self._check_part, d, b) for d, b in zip(digests, blobs, strict=True)], self._run)
-        loaded = dict(zip(digests, checked, strict=True))
+        checked = run_all([partial(self._check_part, d, b) for d, b in zip(fetch, blobs, strict=True)], self._run)
+        loaded = dict(zip(fetch, checked, strict=True))
+        loaded.update((d, unpack_state(own[d])) for d in digests if d in own)
         for name, digest in refs.items():
             if name not in loaded[digest]:
                 raise CorruptObjectError(f"{key}: part {digest} has no entry {name!r}")
             state[name] = loaded[digest][name]
         return state
+
+    def local_parts(self, state: dict[str, Any]) -> dict[str, Packed]:
+        """A replica's own ``state`` (its registered states, as a writer checkpoints them) cut into parts and copied,
+        by digest: what `read` need not fetch. Hashes every byte of ``state`` (cheaper than a network's transfer)."""
+        return {part_digest(part, self._auth): part for part in split_state(state)[1]}
 
     def _part_header(self, manifest: str, digest: str, probe: int) -> Header:
         key = part_key(digest)

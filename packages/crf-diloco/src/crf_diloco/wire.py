@@ -62,6 +62,7 @@ __all__ = [
     "INT4_BLOCK",
     "INT8_BLOCK",
     "READ_CHUNK",
+    "READ_MIN",
     "READ_WINDOW",
     "TOPK_BLOCK",
     "TOPK_K",
@@ -603,6 +604,8 @@ def run_all(calls: Sequence[Callable[[], Any]], run: RunAll | None) -> list[Any]
 READ_CHUNK = 8 << 20
 #: ranged reads of `read_objects` in flight at once (and the most a lying header can make it send in vain)
 READ_WINDOW = 16
+#: the least bytes a ranged read of `read_objects` asks for when it spreads the bytes over `READ_WINDOW` reads
+READ_MIN = 1 << 20
 
 
 def read_objects(
@@ -616,11 +619,16 @@ def read_objects(
 
     The bytes after each header's ``head`` come in ranged reads of at most ``chunk`` bytes, ``window`` at a time
     across all the objects (at once with ``run``): ``n`` objects of ``B`` bytes cost ``ceil(n B / (chunk window))``
-    round trips over a network, not ``n``, and use several connections. A header whose object holds fewer bytes
-    than it claims fails at its first short read (`CorruptObjectError`, truncated) with at most one window sent and
-    the bytes read so far held: a claim is never allocated up front. Bytes after an object's end are not read."""
+    round trips over a network, not ``n``. With ``run``, fewer bytes than fill a window are spread over it (reads of
+    at least `READ_MIN`), so they use several connections too (a connection often carries less than a link). A header whose
+    object holds fewer bytes than it claims fails at its first short read (`CorruptObjectError`, truncated) with at
+    most one window sent and the bytes read so far held: a claim is never allocated up front. Bytes after an
+    object's end are not read."""
     if not is_int(chunk) or chunk < 1 or not is_int(window) or window < 1:
         raise ValueError(f"chunk and window must be positive ints, got {chunk!r} and {window!r}")
+    if run is not None:  # one after the other, more reads would only cost more round trips
+        rest = sum(max(0, h.size - len(h.head)) for h in headers)
+        chunk = min(chunk, max(READ_MIN, -(-rest // window)))
     pieces: list[list[bytes]] = [[h.head[: h.size]] for h in headers]
     reads = (  # lazily: a claim's count of reads is never built either
         (i, start, min(start + chunk, h.size))
