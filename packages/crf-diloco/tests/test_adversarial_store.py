@@ -23,6 +23,7 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
+from thread_runs import run_threads
 
 from crf_diloco import (
     AllReduceError,
@@ -1013,15 +1014,6 @@ def _sync(
     return ok
 
 
-def _run_threads(*targets: Callable[[], None]) -> None:
-    threads = [threading.Thread(target=t) for t in targets]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads)
-
-
 @pytest.mark.parametrize(
     ("stall", "scope"), [("mid_sync", "run"), ("between_syncs", "run"), ("between_syncs", "replica")]
 )
@@ -1069,7 +1061,7 @@ def test_a_mockmanager_replica_stalled_past_keep_rounds_heals_and_ends_bit_ident
             assert _sync(manager, w, 1)
         finals[1] = w["w"]
 
-    _run_threads(rank0, rank1)
+    run_threads(rank0, rank1)
     assert "fell more than keep_rounds=2 rounds behind" in errors[0]
     assert torch.equal(finals[0], finals[1])
     _only_tombstones(_attacker(memory_uri), range(1, 4))
@@ -1083,7 +1075,7 @@ def _syncs_in_step(
     managers = [_healing_manager(uri, r, ws[r], 10, "run", checkpoint_every=checkpoint_every) for r in range(2)]
     ok: list[bool] = []
     for _ in range(syncs):
-        _run_threads(*(lambda r=r: ok.append(_sync(managers[r], ws[r], r)) for r in range(2)))
+        run_threads(*(lambda r=r: ok.append(_sync(managers[r], ws[r], r)) for r in range(2)))
     for m in managers:
         m.shutdown()
     assert ok == [True] * (2 * syncs)
@@ -1181,7 +1173,7 @@ def test_with_checkpoint_every_a_restarted_replica_observes_until_the_next_state
         manager.shutdown()
         finals[1] = w["w"]
 
-    _run_threads(rank0, rank1)
+    run_threads(rank0, rank1)
     assert heal_seconds[0] < 10, f"rank 1 waited {heal_seconds[0]:.1f} s for a state checkpoint_every never writes"
     at_6 = [True] * 3 + [False] * (syncs - 3)  # observes 5 and 6 (stale), 7 (healed from 6), then joins
     at_9 = [True] * 6 + [False]  # a planted name: observes 5..9, 10 (healed from 9), joins in 11
@@ -1221,6 +1213,6 @@ def test_a_replica_left_behind_by_rounds_still_kept_replays_them_as_an_observer(
             assert _sync(manager, w, 1)
         finals[1] = w["w"]
 
-    _run_threads(rank0, rank1)
+    run_threads(rank0, rank1)
     assert replayed == [(True, 2), (True, 3)]
     assert torch.equal(finals[0], finals[1])

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from thread_runs import run_threads
 
 from crf_diloco import MockManager, ObjectStoreAllReduce
 from crf_diloco.auth import Authenticator
@@ -241,6 +242,36 @@ def test_a_manifest_that_is_not_authentic_is_refused_and_junk_does_not_stop_a_wr
     assert len(store.list_names("state/parts")) == 2, "the real part and the junk"
 
 
+def _fragments_manager(uri: str, rank: int, frags: dict[str, torch.Tensor], keep_rounds: int = 2) -> MockManager:
+    """A 2-replica MockManager with one registered state per entry of ``frags`` (its "fragments")."""
+    ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5, poll_interval=0.01,
+                              keep_rounds=keep_rounds)  # fmt: skip
+    manager = MockManager(ar, heal_timeout=20)
+    for name in frags:
+        manager.register_state_dict_fn(
+            name, lambda s, n=name: frags.update({n: s["w"].clone()}), lambda n=name: {"w": frags[n].clone()}
+        )
+    return manager
+
+
+def _fragment_sync(
+    manager: MockManager, frags: dict[str, torch.Tensor], rank: int, gate: threading.Barrier | None
+) -> bool:
+    """One sync; committed step s changes fragment ``s % len(frags)`` only (Streaming DiLoCo's pattern). ``gate``:
+    both ranks meet after ``start_quorum``."""
+    manager.start_quorum()
+    if gate is not None:
+        gate.wait(60)
+    step = manager.current_step()
+    delta = torch.full((16,), float(rank + 1 + step))
+    manager.allreduce(delta).wait()
+    ok = manager.should_commit()
+    if ok:
+        name = list(frags)[step % len(frags)]
+        frags[name] = frags[name] + delta
+    return ok
+
+
 def test_a_restarted_replica_heals_from_parts_written_in_different_rounds(
     faulty_store: Any, fault_rule: Callable[..., dict[str, Any]]
 ) -> None:
@@ -256,66 +287,40 @@ def test_a_restarted_replica_heals_from_parts_written_in_different_rounds(
     finals: dict[int, dict[str, torch.Tensor]] = {}
     healed_read: list[tuple[int, int]] = []
 
-    def manager_for(rank: int, frags: dict[str, torch.Tensor]) -> MockManager:
-        ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5, poll_interval=0.01)
-        manager = MockManager(ar, heal_timeout=20)
-        for name in ("f0", "f1", "f2"):
-            manager.register_state_dict_fn(
-                name, lambda s, n=name: frags.update({n: s["w"].clone()}), lambda n=name: {"w": frags[n].clone()}
-            )
-        return manager
-
-    def sync(manager: MockManager, frags: dict[str, torch.Tensor], rank: int, gate: threading.Barrier | None) -> bool:
-        manager.start_quorum()
-        if gate is not None:
-            gate.wait(60)
-        delta = torch.full((16,), float(rank + 1 + manager.current_step()))
-        step = manager.current_step()
-        manager.allreduce(delta).wait()
-        ok = manager.should_commit()
-        if ok:
-            frags[f"f{step % 3}"] = frags[f"f{step % 3}"] + delta
-        return ok
-
     gate = threading.Barrier(2)
 
     def rank0() -> None:
         frags = {n: torch.zeros(16) for n in ("f0", "f1", "f2")}
-        manager = manager_for(0, frags)
+        manager = _fragments_manager(uri, 0, frags)
         for i in range(6):  # rounds 0..3 with rank 1, 4 and 5 alone
-            assert sync(manager, frags, 0, gate if i < 4 else None)
+            assert _fragment_sync(manager, frags, 0, gate if i < 4 else None)
         assert restarted.wait(60)
         for _ in range(2):  # rounds 6 and 7 (its start_quorum writes round 5's state)
-            assert sync(manager, frags, 0, gate)
+            assert _fragment_sync(manager, frags, 0, gate)
         manager.shutdown()
         finals[0] = frags
 
     def rank1() -> None:
         frags = {n: torch.zeros(16) for n in ("f0", "f1", "f2")}
-        manager = manager_for(1, frags)
+        manager = _fragments_manager(uri, 1, frags)
         for _ in range(4):
-            assert sync(manager, frags, 1, gate)
+            assert _fragment_sync(manager, frags, 1, gate)
         manager.shutdown()
         while manager.allreduce_backend.latest_committed_round() != 5:  # then it "dies"
             time.sleep(0.01)
         frags = {n: torch.zeros(16) for n in ("f0", "f1", "f2")}
-        manager = manager_for(1, frags)
+        manager = _fragments_manager(uri, 1, frags)
         restarted.set()
         committed = []
         for _ in range(2):  # heals from round 5 (observes round 6), takes part in round 7
-            committed.append(sync(manager, frags, 1, gate))
+            committed.append(_fragment_sync(manager, frags, 1, gate))
             if not healed_read:
                 healed_read.append((manager.current_step(), manager.checkpoint_bytes[1]))
         manager.shutdown()
         assert committed == [True, True]
         finals[1] = frags
 
-    threads = [threading.Thread(target=fn) for fn in (rank0, rank1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads)
+    run_threads(rank0, rank1)
     store = ObjectStore(f"{uri}/default")
     assert all(torch.equal(finals[0][n], finals[1][n]) for n in ("f0", "f1", "f2"))
     assert all(finals[0][n].abs().sum() > 0 for n in ("f0", "f1", "f2"))
@@ -474,67 +479,42 @@ def test_a_replica_left_behind_heals_fetching_only_the_fragments_synced_without_
     finals: dict[int, dict[str, torch.Tensor]] = {}
     fetched: list[int] = []
 
-    def manager_for(rank: int, frags: dict[str, torch.Tensor]) -> MockManager:
-        ar = ObjectStoreAllReduce(uri, rank, 2, secret=SECRET, timeout=20, quorum_timeout=0.5, poll_interval=0.01,
-                                  keep_rounds=1)  # fmt: skip
-        manager = MockManager(ar, heal_timeout=20)
-        for name in names:
-            manager.register_state_dict_fn(
-                name, lambda s, n=name: frags.update({n: s["w"].clone()}), lambda n=name: {"w": frags[n].clone()}
-            )
-        return manager
-
-    def sync(manager: MockManager, frags: dict[str, torch.Tensor], rank: int, gate: threading.Barrier | None) -> bool:
-        manager.start_quorum()
-        if gate is not None:
-            gate.wait(60)
-        step = manager.current_step()
-        delta = torch.full((16,), float(rank + 1 + step))
-        manager.allreduce(delta).wait()
-        ok = manager.should_commit()
-        if ok:
-            frags[f"f{step % 5}"] = frags[f"f{step % 5}"] + delta
-        return ok
-
     gate = threading.Barrier(2)
 
     def rank0() -> None:
         frags = {n: torch.zeros(16) for n in names}
-        manager = manager_for(0, frags)
+        manager = _fragments_manager(uri, 0, frags, keep_rounds=1)
         for i in range(8):  # rounds 0..4 with rank 1, 5..7 alone
-            assert sync(manager, frags, 0, gate if i < 5 else None)
+            assert _fragment_sync(manager, frags, 0, gate if i < 5 else None)
         manager.shutdown()  # round 7's state
         time.sleep(0.5)  # the background collection of round 5
         resumed.set()
         assert healed.wait(60)
         for _ in range(2):
-            assert sync(manager, frags, 0, gate)
+            assert _fragment_sync(manager, frags, 0, gate)
         manager.shutdown()
         finals[0] = frags
 
     def rank1() -> None:
         frags = {n: torch.zeros(16) for n in names}
-        manager = manager_for(1, frags)
+        manager = _fragments_manager(uri, 1, frags, keep_rounds=1)
         for _ in range(5):
-            assert sync(manager, frags, 1, gate)
+            assert _fragment_sync(manager, frags, 1, gate)
         assert resumed.wait(60)
-        assert not sync(manager, frags, 1, None), "round 5 was decided and collected without it"
+        assert not _fragment_sync(manager, frags, 1, None), "round 5 was decided and collected without it"
         before = manager.checkpoint_bytes[1]
         manager.start_quorum()  # heals from round 7
         fetched.append(manager.checkpoint_bytes[1] - before)
         healed.set()
         assert manager.current_step() == 8
-        committed = [sync(manager, frags, 1, gate) for _ in range(2)]  # observes round 8, takes part in round 9
+        committed = [
+            _fragment_sync(manager, frags, 1, gate) for _ in range(2)
+        ]  # observes round 8, takes part in round 9
         manager.shutdown()
         assert committed == [True, True]
         finals[1] = frags
 
-    threads = [threading.Thread(target=fn) for fn in (rank0, rank1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads)
+    run_threads(rank0, rank1)
     assert all(torch.equal(finals[0][n], finals[1][n]) for n in names)
     store = ObjectStore(f"{uri}/default")
     refs = referenced_parts(read_header(store, state_key(9), Authenticator(SECRET, "default")))
