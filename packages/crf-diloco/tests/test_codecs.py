@@ -339,12 +339,15 @@ def test_forged_content_is_refused_by_the_decoder(codec: str, how: str, memory_u
 def _play_attacked(uri: str, run_replicas: RunReplicas, codec: str, attack: Callable[[int], None] | None = None,
                    poison: Callable[[ObjectStoreAllReduce], None] | None = None) -> list[tuple[str, str]]:  # fmt: skip
     """Round 0 clean (residuals appear), round 1 attacked on rank 1 (must abort everywhere with inputs and residuals
-    unchanged), round 2 clean again (nothing was lost: it commits)."""
+    unchanged), round 2 clean again (nothing was lost: it commits). Rounds 0 and 2 wait up to 30 s for every replica
+    (a quorum forms as soon as all announced), so a replica slow to start under load is not left out of round 0;
+    the attacked round waits 4 s."""
 
     def replica(rank: int) -> tuple[str, str]:
-        ar = ObjectStoreAllReduce(uri, rank, WORLD, timeout=4, quorum_timeout=4, poll_interval=0.01,
+        ar = ObjectStoreAllReduce(uri, rank, WORLD, timeout=30, quorum_timeout=30, poll_interval=0.01,
                                   compression=codec, secret=SECRET)  # fmt: skip
         ar.allreduce(_x(rank, 0))
+        ar.timeout = ar.quorum_timeout = 4.0
         before = ar.state_dict()["residuals"]
         if rank == 1 and poison is not None:
             poison(ar)
