@@ -114,11 +114,13 @@ def _unpack(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-def pack_state(state: dict[str, Any]) -> Packed:
+def pack_state(state: dict[str, Any], *, copy: bool = True) -> Packed:
     """``state`` as a skeleton and copies of its tensors: the copy is what gets written, so the state may change
-    once this returns."""
+    once this returns. ``copy=False``: the state's own CPU tensors (to hash a state nothing changes meanwhile)."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _pack(state, tensors, "")
+    if not copy:
+        return Packed(skeleton, tensors)
     return Packed(skeleton, {name: t.detach().to("cpu").clone().contiguous() for name, t in tensors.items()})
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from crf_diloco._checks import is_int
 from crf_diloco.auth import Authenticator
 from crf_diloco.checkpoint import (
     Packed,
@@ -78,9 +79,9 @@ class StateSnapshots:
         run: RunAll | None = None,
         read_chunk: int = READ_CHUNK,
     ) -> None:
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        if not is_int(keep) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (states kept in the store), got {keep!r}")
-        if not isinstance(read_chunk, int) or isinstance(read_chunk, bool) or read_chunk < 1:
+        if not is_int(read_chunk) or read_chunk < 1:
             raise ValueError(f"read_chunk must be an int >= 1 (bytes per ranged read), got {read_chunk!r}")
         self._store = store
         self._auth = auth
@@ -189,7 +190,9 @@ class StateSnapshots:
         key = part_key(digest)
         self._count(read=len(blob))
         part = loads_state(blob, key, self._auth)
-        if part_digest(pack_state(part), self._auth) != digest or any(isinstance(v, PartRef) for v in part.values()):
+        if part_digest(pack_state(part, copy=False), self._auth) != digest or any(
+            isinstance(v, PartRef) for v in part.values()
+        ):
             raise CorruptObjectError(f"{key}: its content is not the part its name says")
         return part
 

@@ -620,10 +620,10 @@ def read_objects(
     The bytes after each header's ``head`` come in ranged reads of at most ``chunk`` bytes, ``window`` at a time
     across all the objects (at once with ``run``): ``n`` objects of ``B`` bytes cost ``ceil(n B / (chunk window))``
     round trips over a network, not ``n``. With ``run``, fewer bytes than fill a window are spread over it (reads of
-    at least `READ_MIN`), so they use several connections too (a connection often carries less than a link). A header whose
-    object holds fewer bytes than it claims fails at its first short read (`CorruptObjectError`, truncated) with at
-    most one window sent and the bytes read so far held: a claim is never allocated up front. Bytes after an
-    object's end are not read."""
+    at least `READ_MIN`), so they use several connections too (a connection often carries less than a link). A
+    header whose object holds fewer bytes than it claims fails at its first short read (`CorruptObjectError`,
+    truncated) with at most one window sent and the bytes read so far held: a claim is never allocated up front.
+    Bytes after an object's end are not read."""
     if not is_int(chunk) or chunk < 1 or not is_int(window) or window < 1:
         raise ValueError(f"chunk and window must be positive ints, got {chunk!r} and {window!r}")
     if run is not None:  # one after the other, more reads would only cost more round trips
