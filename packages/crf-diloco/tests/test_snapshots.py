@@ -26,9 +26,9 @@ from crf_diloco.checkpoint import (
     seal_packed,
     split_state,
 )
-from crf_diloco.errors import CorruptObjectError
+from crf_diloco.errors import AllReduceError, CorruptObjectError
 from crf_diloco.layout import part_key, state_key
-from crf_diloco.snapshots import StateSnapshots
+from crf_diloco.snapshots import WRITE_LANES, StateSnapshots
 from crf_diloco.store import ObjectStore
 from crf_diloco.wire import READ_MIN, READ_WINDOW, read_header
 
@@ -369,6 +369,69 @@ def test_over_a_network_a_state_of_four_parts_reads_in_two_round_trips(remote: A
     assert batches.sizes == [4, 4], "the parts' reads at once, then their checks at once"
 
 
+def _meeting_puts(store: ObjectStore, parties: int, fail: str | None = None) -> list[str]:
+    """Make ``store``'s first ``parties`` part uploads wait inside the store for one another (a checkpoint that uploads
+    its parts one after the other times out), the upload of part ``fail`` raise an `OSError`; returns the part keys
+    as their uploads end."""
+    together, done, put = threading.Barrier(parties, timeout=30), [], ObjectStore.put_create.__get__(store)
+    calls = iter(range(1 << 30))
+
+    def meeting(key: str, data: Any) -> bool:
+        if "/parts/" in key:
+            if next(calls) < parties:
+                together.wait()
+            if fail is not None and key == part_key(fail):
+                raise AllReduceError(f"create {key}: OSError: connection reset (injected)")
+            done.append(key)
+        return put(key, data)
+
+    store.put_create = meeting  # type: ignore[method-assign]
+    return done
+
+
+def test_over_a_network_a_checkpoint_uploads_its_parts_at_once(remote: Any) -> None:
+    """The first checkpoint of four fragments lists the stored parts while it names its own, uploads its four parts
+    at once (each waits inside the store for the other three), then its manifest; a state of ten parts goes out on `WRITE_LANES` lanes (eight at once, then the
+    last two) so a round's reads beside it still find reader threads. Both read back bit-identical."""
+    batches = _Batches()
+    snapshots, store = _snapshots("crfremote://upload", run=batches)
+    uploaded = _meeting_puts(store, 4)
+    state = _state(0, (1, 2, 3, 4))
+    assert snapshots.write(0, state)
+    assert len(uploaded) == 4
+    assert set(store.list_names("state/parts")) == {k.rsplit("/", 1)[-1] for k in uploaded}
+    assert batches.sizes[:2] == [1 + 4, 4], "the listing and the parts' names at once, then the uploads at once"
+    assert _equal(snapshots.read(0), state)
+
+    snapshots, store = _snapshots("crfremote://lanes", run=batches)
+    uploaded, batches.sizes = _meeting_puts(store, WRITE_LANES), []
+    state = _state(0, tuple(range(1, 11)))
+    assert snapshots.write(0, state)
+    assert len(uploaded) == 10
+    assert batches.sizes[:2] == [1 + 10, WRITE_LANES]
+    assert _equal(snapshots.read(0), state)
+
+
+def test_a_part_upload_that_fails_leaves_no_manifest_and_the_next_checkpoint_completes(remote: Any) -> None:
+    """One of three part uploads fails (the link dropped): the others still end (none is abandoned half way), the
+    error reaches the writer, no manifest names a part that is not there, and writing the round again uploads only
+    the missing part and its manifest."""
+    snapshots, store = _snapshots("crfremote://failed", run=_Batches())
+    state = _state(0, (1, 2, 3))
+    failing = part_digest(split_state(state)[1][1], AUTH)
+    uploaded = _meeting_puts(store, 3, fail=failing)
+    with pytest.raises(AllReduceError, match="connection reset"):
+        snapshots.write(0, state)
+    assert len(uploaded) == 2
+    assert part_key(failing) not in uploaded
+    assert not snapshots.exists(0)
+    assert snapshots.read(0) is None
+    uploaded = _meeting_puts(store, 1)
+    assert snapshots.write(0, state)
+    assert uploaded == [part_key(failing)], "only the part that failed"
+    assert _equal(snapshots.read(0), state)
+
+
 def test_large_parts_come_in_ranged_reads_of_read_chunk_bytes_a_window_at_a_time(memory_uri: str) -> None:
     """With ``read_chunk`` far below a part's size the rest of each part after its header comes in reads of at most
     ``read_chunk`` bytes, across parts, in batches of at most `READ_WINDOW`; the state reads back bit-identical."""
@@ -376,7 +439,7 @@ def test_large_parts_come_in_ranged_reads_of_read_chunk_bytes_a_window_at_a_time
     snapshots, store = _snapshots(memory_uri, run=batches, read_chunk=1000)
     state = _state(0, (1, 2, 3))
     assert snapshots.write(0, state)
-    before = store.traffic()
+    before, batches.sizes = store.traffic(), []
     assert _equal(snapshots.read(0), state)
     requests = (store.traffic() - before).requests
     sizes = [len(store.get(part_key(d))) for d in _manifest_refs(store, 0)]

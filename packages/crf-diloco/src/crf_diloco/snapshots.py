@@ -41,10 +41,13 @@ from crf_diloco.layout import parse_state_key, part_key, state_key
 from crf_diloco.store import ObjectStore
 from crf_diloco.wire import HEADER_PROBE, READ_CHUNK, READ_MIN, Header, RunAll, read_header, read_objects, run_all
 
-__all__ = ["KEEP_STATES", "FrozenState", "StateSnapshots"]
+__all__ = ["KEEP_STATES", "WRITE_LANES", "FrozenState", "StateSnapshots"]
 
 #: authentic states kept in the store (older ones are deleted when a new one is written)
 KEEP_STATES = 3
+#: the most parts `StateSnapshots.put` uploads at once (half the reader threads it borrows, so that a round's reads
+#: still find threads while a checkpoint uploads beside it)
+WRITE_LANES = 8
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,10 @@ class StateSnapshots:
         store: the run's prefix.
         auth: MACs keyed with the run's secret (a state that fails them is corrupt, never loaded).
         keep: authentic states to keep (the newest ``keep`` up to the one just written).
-        run: runs reads at once (`crf_diloco.rounds.peer.Peer.concurrently`); ``None``: one after the other. A
-            state's parts are then read together (`crf_diloco.wire.read_objects`): over a network a heal costs
-            about three round trips and the parts' bytes over several connections, not a round trip per part.
+        run: runs requests at once (`crf_diloco.rounds.peer.Peer.concurrently`); ``None``: one after the other. A
+            state's parts are then read together (`crf_diloco.wire.read_objects`) and uploaded together: over a
+            network a heal costs about three round trips and the parts' bytes over several connections, not a round
+            trip per part, and a checkpoint about one part's upload time when the link is not full.
         read_chunk: the most bytes one ranged read of a part asks for.
     """
 
@@ -116,19 +120,18 @@ class StateSnapshots:
         return FrozenState(tuple(state), copy.deepcopy(inline), tuple(parts))  # inline: no tensors
 
     def put(self, round_id: int, frozen: FrozenState) -> bool:
-        """Name the parts of a `freeze` d state, upload those the store lacks (one listing), then create its manifest
-        (False if one is there already) and collect older states."""
-        stored = set(self._store.list_names("state/parts"))
-        refs: dict[str, PartRef] = {}
-        for part in frozen.parts:
-            digest = part_digest(part, self._auth)
-            refs.update((entry, PartRef(digest)) for entry in part.entries)
-            key = part_key(digest)
-            if key.rsplit("/", 1)[-1] in stored:
-                continue
-            sealed = seal_packed(part, key, self._auth)
-            if self._store.put_create(key, sealed):
-                self._count(written=sum(b.nbytes for b in sealed))
+        """Name the parts of a `freeze` d state while listing those the store has, upload the others (with ``run`` at
+        once, on at most `WRITE_LANES` connections), then create its manifest (False if one is there already) and
+        collect older states. Over a network a first checkpoint of F parts costs one part's round trips, not F."""
+        listing = partial(self._store.list_names, "state/parts")
+        names, *digests = run_all([listing, *(partial(part_digest, p, self._auth) for p in frozen.parts)], self._run)
+        stored = set(names)
+        refs = {entry: PartRef(d) for d, part in zip(digests, frozen.parts, strict=True) for entry in part.entries}
+        missing = [
+            (d, p) for d, p in zip(digests, frozen.parts, strict=True) if part_key(d).rsplit("/", 1)[-1] not in stored
+        ]
+        lanes = [missing[i::WRITE_LANES] for i in range(min(WRITE_LANES, len(missing)))]
+        run_all([partial(self._put_parts, lane) for lane in lanes], self._run)
         manifest = pack_state({k: refs[k] if k in refs else frozen.inline[k] for k in frozen.order})
         sealed = seal_packed(manifest, state_key(round_id), self._auth)
         created = self._store.put_create(state_key(round_id), sealed)
@@ -136,6 +139,14 @@ class StateSnapshots:
             self._count(written=sum(b.nbytes for b in sealed))
         self.collect(round_id)
         return created
+
+    def _put_parts(self, parts: list[tuple[str, Packed]]) -> None:
+        """Create each part under its digest's key, one after the other (one lane of `put`)."""
+        for digest, part in parts:
+            key = part_key(digest)
+            sealed = seal_packed(part, key, self._auth)
+            if self._store.put_create(key, sealed):
+                self._count(written=sum(b.nbytes for b in sealed))
 
     def exists(self, round_id: int) -> bool:
         """Whether something is stored under the manifest key of ``round_id`` (authentic or not)."""
@@ -217,6 +228,8 @@ class StateSnapshots:
         dropped: set[str] = set()
         remaining: set[str] = set()
         rounds = sorted((r for r in self.listed() if r <= round_id), reverse=True)
+        if len(rounds) <= self.keep:
+            return  # no more than `keep` authentic ones among them: none to drop, no header to read
         for r, refs in zip(rounds, run_all([partial(self._refs, r) for r in rounds], self._run), strict=True):
             if refs is None:
                 continue
