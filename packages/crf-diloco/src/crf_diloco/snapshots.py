@@ -45,8 +45,8 @@ __all__ = ["KEEP_STATES", "WRITE_LANES", "FrozenState", "StateSnapshots"]
 
 #: authentic states kept in the store (older ones are deleted when a new one is written)
 KEEP_STATES = 3
-#: the most parts `StateSnapshots.put` uploads at once (half the reader threads it borrows, so that a round's reads
-#: still find threads while a checkpoint uploads beside it)
+#: the most parts `StateSnapshots.put` uploads at once: enough connections to fill a link that caps each one, and
+#: at most half of `crf_diloco.rounds.peer.READERS` borrowed, so a round's reads beside an upload find threads
 WRITE_LANES = 8
 
 
@@ -123,8 +123,11 @@ class StateSnapshots:
         """Name the parts of a `freeze` d state while listing those the store has, upload the others (with ``run`` at
         once, on at most `WRITE_LANES` connections), then create its manifest (False if one is there already) and
         collect older states. Over a network a first checkpoint of F parts costs one part's round trips, not F."""
-        listing = partial(self._store.list_names, "state/parts")
-        names, *digests = run_all([listing, *(partial(part_digest, p, self._auth) for p in frozen.parts)], self._run)
+        naming = [
+            lambda: [part_digest(p, self._auth) for p in frozen.parts],
+            partial(self._store.list_names, "state/parts"),
+        ]
+        digests, names = run_all(naming, self._run)  # the listing on one borrowed thread, the naming on this one
         stored = set(names)
         refs = {entry: PartRef(d) for d, part in zip(digests, frozen.parts, strict=True) for entry in part.entries}
         missing = [
