@@ -7,7 +7,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import pytest
@@ -74,7 +74,8 @@ def _snapshots(uri: str, keep: int = 3, **kwargs: Any) -> tuple[StateSnapshots, 
 
 
 class _Batches:
-    """A ``run`` for `StateSnapshots` that runs each batch of reads at once on threads and records its size."""
+    """A ``run`` for `StateSnapshots` that runs each batch of calls at once on threads and records its size; like
+    `Peer.concurrently`, it raises the first exception once every call ended."""
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
@@ -82,7 +83,9 @@ class _Batches:
 
     def __call__(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
         self.sizes.append(len(calls))
-        return [f.result() for f in [self._pool.submit(call) for call in calls]]
+        futures = [self._pool.submit(call) for call in calls]
+        wait(futures)
+        return [f.result() for f in futures]
 
 
 def test_a_checkpoint_after_one_fragment_synced_writes_that_fragment_and_a_manifest(memory_uri: str) -> None:

@@ -123,7 +123,7 @@ class StateSnapshots:
         """Name the parts of a `freeze` d state while listing those the store has, upload the others (with ``run`` at
         once, on at most `WRITE_LANES` connections), then create its manifest (False if one is there already) and
         collect older states. Over a network a first checkpoint of F parts costs one part's round trips, not F."""
-        naming = [
+        naming: list[Callable[[], Any]] = [
             lambda: [part_digest(p, self._auth) for p in frozen.parts],
             partial(self._store.list_names, "state/parts"),
         ]
