@@ -171,6 +171,22 @@ def test_collection_deletes_a_part_with_the_last_manifest_that_refers_to_it(memo
         assert _equal(snapshots.read(r), _state(r, (1, 10 + r)))
 
 
+def test_a_checkpoint_costs_a_listing_its_new_parts_a_manifest_and_a_listing_until_there_is_one_to_drop(
+    memory_uri: str,
+) -> None:
+    """With keep=2, the checkpoints of rounds 0 and 1 (fragment 1 changed) cost a listing of the parts, the new parts,
+    the manifest and the collector's listing, and no manifest header is read while no more than ``keep`` are
+    listed; round 2's collector reads the three headers and deletes round 0 (manifest and its own part)."""
+    snapshots, store = _snapshots(memory_uri, keep=2)
+    costs = []
+    for r in range(3):
+        before = store.traffic()
+        assert snapshots.write(r, _state(r, (1, 10 + r)))
+        costs.append((store.traffic() - before).requests)
+    assert costs == [1 + 2 + 1 + 1, 1 + 1 + 1 + 1, 1 + 1 + 1 + 1 + 3 + 1 + 1]
+    assert snapshots.listed() == [1, 2]
+
+
 def _manifest_refs(store: ObjectStore, round_id: int) -> list[str]:
     return sorted(referenced_parts(read_header(store, state_key(round_id), AUTH)))
 

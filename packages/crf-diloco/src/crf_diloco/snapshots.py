@@ -230,6 +230,7 @@ class StateSnapshots:
         kept = 0
         dropped: set[str] = set()
         remaining: set[str] = set()
+        manifests: list[str] = []
         rounds = sorted((r for r in self.listed() if r <= round_id), reverse=True)
         if len(rounds) <= self.keep:
             return  # no more than `keep` authentic ones among them: none to drop, no header to read
@@ -238,13 +239,17 @@ class StateSnapshots:
                 continue
             kept += 1
             if kept > self.keep:
-                self._store.remove_tree(state_key(r))
+                manifests.append(state_key(r))
                 dropped |= refs
             else:
                 remaining |= refs
-        orphaned = [part_key(d) for d in sorted(dropped - remaining)]
+        self._delete(manifests)  # before their parts: a state is either whole or gone
+        self._delete([part_key(d) for d in sorted(dropped - remaining)])
+
+    def _delete(self, keys: list[str]) -> None:
+        """Best-effort delete of ``keys``: in one bulk request per 1000 on a remote store, else one by one."""
         if self._store.remote:
-            self._store.remove_keys(orphaned)
+            self._store.remove_keys(keys)
         else:
-            for key in orphaned:
+            for key in keys:
                 self._store.remove(key)
