@@ -353,10 +353,10 @@ def test_a_restarted_replica_heals_from_parts_written_in_different_rounds(
 
 
 def test_incremental_checkpoints_and_their_collection_on_s3(moto_s3: dict[str, Any]) -> None:
-    """The same on moto's S3 server through s3fs: listing ``state/parts/`` (a prefix, not a folder), bulk deletes of
-    collected parts, junk named like a part left alone."""
+    """The same on moto's S3 server through s3fs, parts uploaded and read at once: listing ``state/parts/`` (a prefix,
+    not a folder), bulk deletes of collected manifests and parts, junk named like a part left alone."""
     store = ObjectStore(f"s3://{moto_s3['bucket']}/snapshots-{time.monotonic_ns()}", moto_s3["storage_options"])
-    snapshots = StateSnapshots(store, AUTH, keep=1)
+    snapshots = StateSnapshots(store, AUTH, keep=1, run=_Batches())
     store.put_create(part_key("e" * 32), b"junk named like a part")
     for r in range(3):
         assert snapshots.write(r, _state(r, (1, 10 + r)))
