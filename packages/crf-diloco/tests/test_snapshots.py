@@ -431,6 +431,21 @@ def test_over_a_network_a_checkpoint_uploads_its_parts_at_once(remote: Any) -> N
     assert _equal(snapshots.read(0), state)
 
 
+def test_uploads_at_once_hold_at_most_write_budget_part_bytes(remote: Any) -> None:
+    """Each upload holds a copy of its part: with ``write_budget`` of two parts three parts go on two lanes, with a
+    budget below one part they go one at a time (as before; s3fs splits a part of 100 MB or more itself), and both
+    states read back bit-identical."""
+    part = pack_state({"StreamingDiLoCoFragment_0": _fragment(1)}).nbytes
+    for budget, lanes in ((2 * part + 100, 2), (part // 2, 1)):
+        batches = _Batches()
+        snapshots, store = _snapshots(f"crfremote://budget-{lanes}", run=batches, write_budget=budget)
+        state = _state(0, (1, 2, 3))
+        assert snapshots.write(0, state)
+        assert batches.sizes[1:2] == ([lanes] if lanes > 1 else []), "one lane runs on the writer's thread"
+        assert len(store.list_names("state/parts")) == 3
+        assert _equal(snapshots.read(0), state)
+
+
 def test_a_part_upload_that_fails_leaves_no_manifest_and_the_next_checkpoint_completes(remote: Any) -> None:
     """One of three part uploads fails (the link dropped): the others still end (none is abandoned half way), the
     error reaches the writer, no manifest names a part that is not there, and writing the round again uploads only
@@ -509,9 +524,12 @@ def test_a_part_whose_header_claims_a_terabyte_is_refused_after_one_window(memor
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "8MB"])
-def test_a_read_chunk_that_is_not_a_positive_int_is_refused(memory_uri: str, bad: Any) -> None:
-    with pytest.raises(ValueError, match="read_chunk must be an int >= 1"):
-        StateSnapshots(ObjectStore(memory_uri), AUTH, read_chunk=bad)
+@pytest.mark.parametrize("name", ["read_chunk", "write_budget"])
+def test_a_read_chunk_or_write_budget_that_is_not_a_positive_int_is_refused(
+    memory_uri: str, name: str, bad: Any
+) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+        StateSnapshots(ObjectStore(memory_uri), AUTH, **{name: bad})
 
 
 def test_a_reader_takes_the_parts_it_holds_from_itself_on_a_remote_store(remote: Any) -> None:

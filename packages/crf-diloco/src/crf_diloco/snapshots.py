@@ -41,13 +41,16 @@ from crf_diloco.layout import parse_state_key, part_key, state_key
 from crf_diloco.store import ObjectStore
 from crf_diloco.wire import HEADER_PROBE, READ_CHUNK, READ_MIN, Header, RunAll, read_header, read_objects, run_all
 
-__all__ = ["KEEP_STATES", "WRITE_LANES", "FrozenState", "StateSnapshots"]
+__all__ = ["KEEP_STATES", "WRITE_BUDGET", "WRITE_LANES", "FrozenState", "StateSnapshots"]
 
 #: authentic states kept in the store (older ones are deleted when a new one is written)
 KEEP_STATES = 3
 #: the most parts `StateSnapshots.put` uploads at once: enough connections to fill a link that caps each one, and
 #: at most half of `crf_diloco.rounds.peer.READERS` borrowed, so a round's reads beside an upload find threads
 WRITE_LANES = 8
+#: the most part bytes `StateSnapshots.put` uploads at once (each upload holds a copy of its part): parts larger than
+#: half of it go one at a time, as s3fs splits a part of 100 MB or more into chunks it sends at once anyway
+WRITE_BUDGET = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class StateSnapshots:
             network a heal costs about three round trips and the parts' bytes over several connections, not a round
             trip per part, and a checkpoint about one part's upload time when the link is not full.
         read_chunk: the most bytes one ranged read of a part asks for.
+        write_budget: the most part bytes uploaded at once (the memory a checkpoint's uploads hold beside the state;
+            at least one part at a time whatever its size).
     """
 
     def __init__(
@@ -82,16 +87,20 @@ class StateSnapshots:
         keep: int = KEEP_STATES,
         run: RunAll | None = None,
         read_chunk: int = READ_CHUNK,
+        write_budget: int = WRITE_BUDGET,
     ) -> None:
         if not is_int(keep) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (states kept in the store), got {keep!r}")
         if not is_int(read_chunk) or read_chunk < 1:
             raise ValueError(f"read_chunk must be an int >= 1 (bytes per ranged read), got {read_chunk!r}")
+        if not is_int(write_budget) or write_budget < 1:
+            raise ValueError(f"write_budget must be an int >= 1 (part bytes uploaded at once), got {write_budget!r}")
         self._store = store
         self._auth = auth
         self.keep = keep
         self._run = run
         self._chunk = read_chunk
+        self._budget = write_budget
         self._counted = threading.Lock()
         self._written = 0
         self._read = 0
@@ -121,8 +130,9 @@ class StateSnapshots:
 
     def put(self, round_id: int, frozen: FrozenState) -> bool:
         """Name the parts of a `freeze` d state while listing those the store has, upload the others (with ``run`` at
-        once, on at most `WRITE_LANES` connections), then create its manifest (False if one is there already) and
-        collect older states. Over a network a first checkpoint of F parts costs one part's round trips, not F."""
+        once, on at most `WRITE_LANES` connections and ``write_budget`` bytes), then create its manifest (False if one
+        is there already) and collect older states. Over a network a first checkpoint of F parts costs one part's
+        round trips, not F."""
         naming: list[Callable[[], Any]] = [
             lambda: [part_digest(p, self._auth) for p in frozen.parts],
             partial(self._store.list_names, "state/parts"),
@@ -133,7 +143,9 @@ class StateSnapshots:
         missing = [
             (d, p) for d, p in zip(digests, frozen.parts, strict=True) if part_key(d).rsplit("/", 1)[-1] not in stored
         ]
-        lanes = [missing[i::WRITE_LANES] for i in range(min(WRITE_LANES, len(missing)))]
+        largest = max([1, *(part.nbytes for _, part in missing)])
+        width = min(len(missing), max(1, min(WRITE_LANES, self._budget // largest)))
+        lanes = [missing[i::width] for i in range(width)]
         run_all([partial(self._put_parts, lane) for lane in lanes], self._run)
         manifest = pack_state({k: refs[k] if k in refs else frozen.inline[k] for k in frozen.order})
         sealed = seal_packed(manifest, state_key(round_id), self._auth)
