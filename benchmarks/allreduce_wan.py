@@ -22,6 +22,12 @@ The floor, computed from the same run
     the cores they kept busy: where that nears the machine's cores, the simulation is CPU-bound and the ratio
     measures the machine.
 
+Another server
+    ``--endpoint http://127.0.0.1:PORT`` puts an S3 server you started in moto's place (e.g. MinIO: one that serves
+    requests on several cores, where moto's take turns under one Python lock on the replicas' CPUs), with
+    ``--bucket`` (created if absent) and the credentials in ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``. It
+    must honour ``If-None-Match: *`` (the replicas' preflight refuses one that does not); its own CPU is not counted.
+
 Run: ``python benchmarks/allreduce_wan.py`` (defaults: 40 ms, 50 MB/s per link, 1M elements, codecs fp32, int8,
 int4, topk; ``--replicas 2 --codecs fp32 --rounds 2`` for a quick look). Medians over ``--rounds``; the load
 average is printed at the start and the end.
@@ -30,13 +36,16 @@ average is printed at the start and the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import socket
 import statistics
 import sys
 import time
+import urllib.parse
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,11 +92,12 @@ def pin_to(cores: set[int] | None) -> None:
         os.sched_setaffinity(0, cores)
 
 
-def placement(replica_cores: set[int] | None, server_cores: set[int] | None) -> str:
-    """Where the processes ran, for the header."""
+def placement(replica_cores: set[int] | None, server_cores: set[int] | None, server: str = "moto") -> str:
+    """Where the processes ran, for the header (``server``: what serves the bucket here, if it is ours to place)."""
+    ours = f"{server} and the proxy" if server else "the proxy"
     if replica_cores is None or server_cores is None:
-        return "replicas, moto and the proxy share every CPU"
-    return f"moto and the proxy pinned to CPU {sorted(server_cores)}, the replicas to CPUs {sorted(replica_cores)}"
+        return f"replicas, {ours} share every CPU"
+    return f"{ours} pinned to CPU {sorted(server_cores)}, the replicas to CPUs {sorted(replica_cores)}"
 
 
 # -- the proxy, in its own process ------------------------------------------------------------------------------
@@ -240,6 +250,29 @@ def _run(
     return rows
 
 
+@contextlib.contextmanager
+def _started_server(endpoint: str, bucket: str) -> Iterator[Any]:
+    """The S3 server at ``endpoint`` (on 127.0.0.1: the proxy forwards nowhere else) with ``bucket`` there."""
+    import s3fs
+    from s3_server import S3Endpoint
+
+    url = urllib.parse.urlsplit(endpoint)
+    try:
+        port = url.port
+    except ValueError:  # a port that is not a number in range
+        port = None
+    if url.scheme != "http" or url.hostname != "127.0.0.1" or port is None:
+        raise SystemExit(
+            f"--endpoint must be http://127.0.0.1:PORT (the WAN proxy forwards to 127.0.0.1 only), got {endpoint!r}"
+        )
+    found = S3Endpoint("127.0.0.1", port, bucket, os.environ.get("AWS_ACCESS_KEY_ID", "testing"),
+                       os.environ.get("AWS_SECRET_ACCESS_KEY", "testing"))  # fmt: skip
+    fs = s3fs.S3FileSystem(**found.storage_options())
+    if not fs.exists(bucket):
+        fs.call_s3("create_bucket", Bucket=bucket)  # no LocationConstraint: us-east-1 refuses one naming itself
+    yield found
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--replicas", default="2,4,8", help="comma-separated world sizes")
@@ -254,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="round trips a new connection pays (default 0: moto's server closes every connection "
                              "after one response, which S3 does not, so a handshake per request would be charged "
                              "that a keep-alive client never pays)")  # fmt: skip
+    parser.add_argument("--endpoint", default=None,
+                        help="an S3 server on 127.0.0.1 you started, in place of moto's, e.g. http://127.0.0.1:9000")  # fmt: skip
+    parser.add_argument("--bucket", default="crf-diloco-wan", help="the bucket on --endpoint (created if absent)")
     parser.add_argument("--pin", action="store_true",
                         help="moto's server and the proxy on the last CPU, the replicas on the others (cpu_split)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -270,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     ctx = mp.get_context("spawn")
     replica_cores, server_cores = cpu_split(args.pin)
     pin_to(server_cores)  # moto's server thread and the proxy process start from here: they inherit it
-    with moto_s3_server("crf-diloco-wan") as s3:
+    server = moto_s3_server(args.bucket) if args.endpoint is None else _started_server(args.endpoint, args.bucket)
+    with server as s3:
         parent, child = ctx.Pipe()
         proxy = ctx.Process(target=_proxy_process, args=(s3.port, max(worlds), link, 3600.0, child))
         proxy.start()
@@ -283,11 +320,12 @@ def main(argv: list[str] | None = None) -> None:
             proxy.join(30)
             if proxy.is_alive():
                 proxy.kill()
-    print(f"ObjectStoreAllReduce over a simulated WAN: moto S3 behind a proxy, rtt {args.rtt * 1000:.0f} ms, "
+    served = "moto S3" if args.endpoint is None else f"{args.endpoint} (its CPU not counted)"
+    print(f"ObjectStoreAllReduce over a simulated WAN: {served} behind a proxy, rtt {args.rtt * 1000:.0f} ms, "
           f"link {args.link or 0:.3g} B/s, per connection {args.per_connection or 0:.3g} B/s, total "
           f"{args.total or 0:.3g} B/s (0: no cap); {args.numel:,} fp32 elements per replica; median of "
           f"{args.rounds} rounds; {os.cpu_count()} CPUs, load average {' '.join(f'{v:.2f}' for v in load_start)} "
-          f"at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end; {placement(replica_cores, server_cores)}")  # fmt: skip
+          f"at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end; {placement(replica_cores, server_cores, 'moto' if args.endpoint is None else '')}")  # fmt: skip
     print(f"{'replicas':>8} {'codec':<13} {'MB/round':>9} {'round s':>8} {'floor s':>8} {'ratio':>6} "
           f"{'round trips':>11} {'idle polls':>10} {'requests':>9} {'CPU s':>6} {'servers':>7} {'CPU/round':>9}")  # fmt: skip
     for r in rows:

@@ -13,11 +13,14 @@ __all__ = ["S3Endpoint", "lock_moto_etag", "moto_s3_server"]
 
 @dataclass(frozen=True)
 class S3Endpoint:
-    """A running S3 endpoint: ``http://127.0.0.1:port``, its bucket and the fsspec options that reach it."""
+    """A running S3 endpoint: ``http://127.0.0.1:port``, its bucket, its credentials (moto takes any) and the fsspec
+    options that reach it."""
 
     host: str
     port: int
     bucket: str
+    key: str = "testing"
+    secret: str = "testing"
 
     @property
     def endpoint(self) -> str:
@@ -26,8 +29,8 @@ class S3Endpoint:
     def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
         """s3fs options for this server, or for ``endpoint`` in front of it (e.g. a `wan_proxy.WanProxy` port)."""
         return {
-            "key": "testing",
-            "secret": "testing",
+            "key": self.key,
+            "secret": self.secret,
             "endpoint_url": endpoint or self.endpoint,
             "client_kwargs": {"region_name": "us-east-1"},
         }
