@@ -215,6 +215,13 @@ class Job:
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 
+    def abandon(self) -> None:
+        """The server stops: a job still being scheduled never starts (checked under the same lock as its start) and
+        a running one is killed, so no job process outlives the server."""
+        with self.changed:
+            self.cancelled = True
+        self.kill()
+
     def info(self, owner: dict[str, str], behaviour: Behaviour) -> dict[str, Any]:
         spec = self.spec
         stage = behaviour.lie_stage.get(self.index, self.stage)
@@ -516,7 +523,7 @@ def main() -> None:
 
     def stop(signum: int, frame: Any) -> None:
         for job in list(server.state.jobs.values()):
-            job.kill()
+            job.abandon()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)

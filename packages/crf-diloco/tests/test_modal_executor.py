@@ -587,10 +587,16 @@ def test_adversarial_lost_contact_is_a_failure_and_cancels_the_rest(
 ) -> None:
     executor = make_executor(lost_contact_s=0.5)
     handles = executor.launch_replicas(behave("--sleep", "120"), world_size=2, uri="memory://m")
+    running = handles[0]._replica.call
     handles[0]._replica.call = ScriptedCall(
         modal.exception.ConnectionError("connection reset")
     )  # the link to Modal breaks
-    results = executor.collect(handles, timeout=60)
+    try:
+        results = executor.collect(handles, timeout=60)
+    finally:  # rank 0's container, which the executor can no longer reach, is this test's to stop
+        running.cancel(terminate_containers=True)
+        with contextlib.suppress(modal.exception.RemoteError):
+            running.get(timeout=60)
     assert results[0].error is not None
     assert results[0].error.startswith("lost contact with the backend for ")
     assert results[1].error == "cancelled after rank 0 failed; the call was cancelled on Modal"
