@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     ctx = mp.get_context("spawn")
     replica_cores, server_cores = cpu_split(args.pin)
     pin_to(server_cores)  # moto's server thread and the proxy process start from here: they inherit it
-    server = moto_s3_server(args.bucket) if args.endpoint is None else _started_server(args.endpoint, args.bucket)
-    with server as s3:
+    ours = args.endpoint is None  # moto runs here (its CPU counted, pinned with the proxy) or a server you started
+    with moto_s3_server(args.bucket) if ours else _started_server(args.endpoint, args.bucket) as s3:
         parent, child = ctx.Pipe()
         proxy = ctx.Process(target=_proxy_process, args=(s3.port, max(worlds), link, 3600.0, child))
         proxy.start()
@@ -320,12 +320,12 @@ def main(argv: list[str] | None = None) -> None:
             proxy.join(30)
             if proxy.is_alive():
                 proxy.kill()
-    served = "moto S3" if args.endpoint is None else f"{args.endpoint} (its CPU not counted)"
+    served = "moto S3" if ours else f"{args.endpoint} (its CPU not counted)"
     print(f"ObjectStoreAllReduce over a simulated WAN: {served} behind a proxy, rtt {args.rtt * 1000:.0f} ms, "
           f"link {args.link or 0:.3g} B/s, per connection {args.per_connection or 0:.3g} B/s, total "
           f"{args.total or 0:.3g} B/s (0: no cap); {args.numel:,} fp32 elements per replica; median of "
           f"{args.rounds} rounds; {os.cpu_count()} CPUs, load average {' '.join(f'{v:.2f}' for v in load_start)} "
-          f"at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end; {placement(replica_cores, server_cores, 'moto' if args.endpoint is None else '')}")  # fmt: skip
+          f"at the start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end; {placement(replica_cores, server_cores, 'moto' if ours else '')}")  # fmt: skip
     print(f"{'replicas':>8} {'codec':<13} {'MB/round':>9} {'round s':>8} {'floor s':>8} {'ratio':>6} "
           f"{'round trips':>11} {'idle polls':>10} {'requests':>9} {'CPU s':>6} {'servers':>7} {'CPU/round':>9}")  # fmt: skip
     for r in rows:

@@ -88,16 +88,16 @@ def _replica(job: dict[str, Any], out: Any) -> None:
     own["StreamingDiLoCoFragment_0"]["original_parameters"]["weight"].add_(1.0)  # synced without this replica
     writers: list[Any] = []
 
-    def write(at_once: bool) -> tuple[float, Any] | None:
+    def write(at_once: bool) -> tuple[float, Any]:
         fresh = ObjectStoreAllReduce(job["uri"], 0, 1, run_id=f"{job['run_id']}-w{len(writers)}", secret=SECRET,
                                      storage_options=job["proxied"])  # fmt: skip
         writers.append(fresh)
-        store = fresh.store
-        snapshots = fresh.snapshots() if at_once else StateSnapshots(store, fresh.auth)
-        before = store.traffic()
+        writer = fresh.snapshots() if at_once else StateSnapshots(fresh.store, fresh.auth)
+        before = fresh.store.traffic()
         start = time.perf_counter()
-        created = snapshots.write(0, state)
-        return (time.perf_counter() - start, store.traffic() - before) if created else None
+        if not writer.write(0, state):
+            raise RuntimeError("a first checkpoint under a fresh run prefix was not created")
+        return time.perf_counter() - start, fresh.store.traffic() - before
 
     def read(snapshots: StateSnapshots, have: Callable[[], Any] | None = None) -> tuple[float, Any]:
         before = ar.store.traffic()
@@ -108,7 +108,7 @@ def _replica(job: dict[str, Any], out: Any) -> None:
             raise RuntimeError("the state read back differs from the one written")
         return elapsed, done
 
-    ways: dict[str, Callable[[], Any]] = {
+    ways: dict[str, Callable[[], tuple[float, Any]]] = {
         "write": lambda: write(True),
         "write 1 by 1": lambda: write(False),
         "read": lambda: read(snapshots),
@@ -117,10 +117,7 @@ def _replica(job: dict[str, Any], out: Any) -> None:
     }
     for _ in range(job["repeats"]):
         for name, way in ways.items():
-            measured = way()
-            if measured is None:
-                raise RuntimeError(f"{name}: the checkpoint was not created")
-            elapsed, done = measured
+            elapsed, done = way()
             out.put((name, elapsed, done.bytes_read + done.bytes_written, done.requests, done.busy_round_trips))
     for writer in (ar, *writers):
         writer.close()

@@ -390,8 +390,8 @@ def test_over_a_network_a_state_of_four_parts_reads_in_two_round_trips(remote: A
 
 def _meeting_puts(store: ObjectStore, parties: int, fail: str | None = None) -> list[str]:
     """Make ``store``'s first ``parties`` part uploads wait inside the store for one another (a checkpoint that uploads
-    its parts one after the other times out), the upload of part ``fail`` raise an `OSError`; returns the part keys
-    as their uploads end."""
+    its parts one after the other times out) and the upload of part ``fail`` fail as a dropped connection does
+    (`AllReduceError`); returns the keys of the parts uploaded, as their uploads end."""
     together, done, put = threading.Barrier(parties, timeout=30), [], ObjectStore.put_create.__get__(store)
     calls = iter(range(1 << 30))
 
@@ -410,8 +410,9 @@ def _meeting_puts(store: ObjectStore, parties: int, fail: str | None = None) -> 
 
 def test_over_a_network_a_checkpoint_uploads_its_parts_at_once(remote: Any) -> None:
     """The first checkpoint of four fragments lists the stored parts while it names its own, uploads its four parts
-    at once (each waits inside the store for the other three), then its manifest; a state of ten parts goes out on `WRITE_LANES` lanes (eight at once, then the
-    last two) so a round's reads beside it still find reader threads. Both read back bit-identical."""
+    at once (each waits inside the store for the other three), then its manifest; a state of ten parts goes out on
+    `WRITE_LANES` lanes (eight at once, then the last two) so a round's reads beside it still find reader threads.
+    Both read back bit-identical."""
     batches = _Batches()
     snapshots, store = _snapshots("crfremote://upload", run=batches)
     uploaded = _meeting_puts(store, 4)
